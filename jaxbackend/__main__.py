@@ -11,6 +11,7 @@ import sys
 
 COMMANDS = {
     "demo": ("jaxbackend._demo", "named multi-layer attention: jaxpr with named einsums, checked against jnp"),
+    "train": ("jaxbackend.train._cli", "train a char-level GPT on the stdlib source: checkpoints, --resume, loss PNG, sample"),
 }
 
 

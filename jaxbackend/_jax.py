@@ -69,3 +69,123 @@ def register_batching(prim: Primitive, rule) -> None:
 def register_lowering_from_fun(prim: Primitive, fun) -> None:
     """MLIR lowering for `prim` by tracing `fun` (a jnp/lax function)."""
     mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=False))
+
+
+# ---------------------------------------------------------------------------
+# passes / jit: jaxpr traversal internals (owner: passes, jaxbackend.jit).
+# Checked on JAX 0.10.2. `Var(aval)` takes only the aval since JAX 0.7
+# (JAX < 0.7: `Var(suffix, aval)`); `DropVar(aval)` likewise.
+# ---------------------------------------------------------------------------
+
+DropVar = jex_core.DropVar
+new_jaxpr_eqn = jex_core.new_jaxpr_eqn
+
+# The `jit` primitive (named "pjit" before JAX 0.7) and the other call
+# primitives whose body is a plain sub-jaxpr that may be inlined.
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+CUSTOM_DERIVATIVE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+
+
+def new_var(aval) -> Var:
+    """A fresh jaxpr variable of type `aval` (JAX 0.10: `Var(aval)`)."""
+    return Var(aval)
+
+
+def new_literal(value, aval) -> Literal:
+    return Literal(value, aval)
+
+
+def is_var(x) -> bool:
+    return isinstance(x, Var)
+
+
+def is_dropvar(x) -> bool:
+    return isinstance(x, DropVar)
+
+
+def is_closed_jaxpr(x) -> bool:
+    return isinstance(x, ClosedJaxpr)
+
+
+def is_open_jaxpr(x) -> bool:
+    return isinstance(x, Jaxpr)
+
+
+def check_closed_jaxpr(closed: ClosedJaxpr) -> None:
+    """Type-check a ClosedJaxpr, sub-jaxprs included; raises JaxprTypeError.
+
+    JAX 0.10: `jax.extend.core.check_jaxpr` checks the open jaxpr (constvars
+    typed by their avals); we also check that each const matches its var.
+    """
+    check_jaxpr(closed.jaxpr)
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        shape, dtype = getattr(c, "shape", ()), getattr(c, "dtype", None)
+        if tuple(shape) != tuple(v.aval.shape) or (dtype is not None and dtype != v.aval.dtype):
+            raise TypeError(f"const for {v} has shape {shape} dtype {dtype}, expected {v.aval}")
+
+
+def eval_jaxpr(closed: ClosedJaxpr, *args):
+    """Evaluate `closed` by binding each equation in the current trace."""
+    return jaxpr_as_fun(closed)(*args)
+
+
+def sharding_is_unspecified(s) -> bool:
+    """True for jit's `UnspecifiedValue` placeholder (JAX 0.10:
+    `jax._src.named_sharding.UnspecifiedValue`; no public alias exists)."""
+    return type(s).__name__ == "UnspecifiedValue"
+
+
+def jaxpr_with(jaxpr: Jaxpr, *, eqns=None, outvars=None, constvars=None) -> Jaxpr:
+    """`jaxpr` with new equations / outputs / constvars, same inputs, effects
+    and debug info (JAX 0.10: `Jaxpr.replace`; changing outvars resets debug
+    result names, which we do not use)."""
+    kw = {}
+    if eqns is not None:
+        kw["eqns"] = eqns
+    if outvars is not None:
+        kw["outvars"] = outvars
+    if constvars is not None:
+        kw["constvars"] = constvars
+    return jaxpr.replace(**kw)
+jaxprs_in_params = jex_core.jaxprs_in_params
+
+
+# --- passes.reroll (helper E) -------------------------------------------------
+# JAX 0.10: `DropVar` (an unused equation output) is public in jax.extend.core.
+DropVar = jex_core.DropVar
+
+
+def bind_eqn(eqn, invals):
+    """Re-bind one jaxpr equation on new operands, as `jax.core.eval_jaxpr` does.
+
+    JAX 0.10: `Primitive.get_bind_params(params)` returns the bind keyword
+    params (call-like primitives convert their stored sub-jaxprs there; older
+    JAX returned a (subfuns, params) pair). `eqn.ctx.manager` restores the
+    equation's context (e.g. its compute type), as eval_jaxpr does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- sharding (helper C): evaluate a jaxpr with a hook after each equation ------
+# JAX 0.10: this is `jax._src.core.eval_jaxpr` (Primitive.get_bind_params +
+# bind under the equation's context manager) with a callback, used to place
+# `with_sharding_constraint` on named intermediates.
+
+def eval_jaxpr_hooked(jaxpr, consts, args, hook):
+    """Evaluate `jaxpr`; `hook(eqn, outs) -> outs` runs after each equation."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        outs = list(ans) if eqn.primitive.multiple_results else [ans]
+        env.update(zip(eqn.outvars, hook(eqn, outs)))
+    return [read(v) for v in jaxpr.outvars]

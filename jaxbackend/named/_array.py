@@ -83,10 +83,18 @@ class NamedArray:
 
     def axis(self, dim: str, op: str = "axis") -> int:
         """Position of `dim`, or a DimError listing the dims that exist."""
+        if len(self.values.shape) != len(self.dims):
+            raise _errors.rank_mismatch(op, self.values.shape, self.dims)
         try:
             return self.dims.index(dim)
         except ValueError:
             raise _errors.unknown_dim(op, dim, self.dims) from None
+
+    def check_rank(self, op: str) -> "NamedArray":
+        """self, or a DimError if the leaf's rank and the dims disagree."""
+        if len(self.values.shape) != len(self.dims):
+            raise _errors.rank_mismatch(op, self.values.shape, self.dims)
+        return self
 
     def astype(self, dtype) -> "NamedArray":
         return NamedArray(self.values.astype(dtype), self.dims)

@@ -12,7 +12,18 @@ class DimError(ValueError):
 
 
 def fmt_dims(dims) -> str:
-    return "(" + ", ".join(repr(d) for d in dims) + ")"
+    return repr(tuple(dims))
+
+
+def rank_mismatch(op: str, shape, dims) -> DimError:
+    # Reached when a transform stripped an axis from the leaf but not from
+    # the static dims (jax.vmap / lax.scan with in_axes over a NamedArray).
+    return DimError(
+        f"{op}: the NamedArray's values have {len(shape)} axes (shape {tuple(shape)}) but its "
+        f"dims {fmt_dims(dims)} name {len(dims)}; jax.vmap/lax.scan over a NamedArray strip "
+        f"an axis its dims still list, so map over an extra unnamed leading axis (stack "
+        f"NamedArrays with jax.tree.map) or pass plain arrays and name them inside."
+    )
 
 
 def unknown_dim(op: str, dim, dims, arg: str = "dim") -> DimError:

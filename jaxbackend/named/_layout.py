@@ -39,15 +39,15 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
     idx = _kw("isel", indexers, kwargs)
     basic = [slice(None)] * x.ndim
     dims = list(x.dims)
-    arrays, named = [], {}
+    arrays, named, any_basic = [], {}, False
     for d, i in idx.items():
         k = x.axis(d, "isel")
         if isinstance(i, NamedArray):
             named[d] = i
         elif isinstance(i, slice):
-            basic[k] = i
+            basic[k], any_basic = i, any_basic or i != slice(None)
         elif jnp.ndim(i) == 0:
-            basic[k] = i
+            basic[k], any_basic = i, True
             dims[k] = None
         elif jnp.ndim(i) == 1:
             arrays.append((d, jnp.asarray(i)))
@@ -57,7 +57,7 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
                 f"indexer must be 1-d, so name its axes with nx.as_named(...)."
             )
     out = x
-    if any(b is not slice(None) and b != slice(None) for b in basic):
+    if any_basic:
         out = NamedArray(x.values[tuple(basic)], tuple(d for d in dims if d is not None))
     for d, i in arrays:
         out = NamedArray(jnp.take(out.values, i, axis=out.axis(d, "isel")), out.dims)
@@ -67,6 +67,9 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
 
 
 def _vectorised(x: NamedArray, named: dict) -> NamedArray:
+    # numpy's rule, which xarray follows: indexers on adjacent axes put the
+    # indexer dims in place of those axes (no transpose needed); otherwise
+    # the indexed axes go first.
     rest = [d for d in x.dims if d not in named]
     idims, ivals = align("isel", *named.values())
     clash = set(idims) & set(rest)
@@ -75,6 +78,13 @@ def _vectorised(x: NamedArray, named: dict) -> NamedArray:
             f"isel: indexer dims {_errors.fmt_dims(sorted(clash))} are also dims of the array "
             f"that are not being indexed; rename the indexer's dims."
         )
+    ks = sorted(x.dims.index(d) for d in named)
+    if ks == list(range(ks[0], ks[0] + len(ks))):
+        key = [slice(None)] * x.ndim
+        for d, v in zip(named, ivals):
+            key[x.dims.index(d)] = v
+        dims = x.dims[:ks[0]] + idims + x.dims[ks[-1] + 1:]
+        return NamedArray(x.values[tuple(key)], dims)
     moved = x.transpose(*named, *rest)
     vals = moved.values[tuple(ivals)]
     return NamedArray(vals, idims + tuple(rest))
@@ -83,8 +93,13 @@ def _vectorised(x: NamedArray, named: dict) -> NamedArray:
 def rename(x: NamedArray, mapping=None, **kwargs) -> NamedArray:
     """Rename dims: `x.rename(time="time_q")` or `x.rename({"time": "time_q"})`."""
     m = _kw("rename", mapping, kwargs)
-    for d in m:
+    for d, new in m.items():
         x.axis(d, "rename")
+        if new in x.dims and m.get(new, new) == new:
+            raise _errors.DimError(
+                f"rename: renaming {d!r} to {new!r} clashes with the dim {new!r} the array "
+                f"already has (dims {_errors.fmt_dims(x.dims)}); pick an unused name or rename "
+                f"{new!r} too.")
     dims = _errors.check_dims_tuple("rename", tuple(m.get(d, d) for d in x.dims), arg="new dims")
     return NamedArray(x.values, dims)
 

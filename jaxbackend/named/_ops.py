@@ -94,6 +94,7 @@ def align(op: str, *args):
     where: dict = {}
     for i, a in enumerate(args):
         if isinstance(a, NamedArray):
+            a.check_rank(op)
             for d, n in zip(a.dims, a.shape):
                 if d not in sizes:
                     sizes[d], where[d] = n, i
@@ -188,7 +189,7 @@ def clip(x, min=None, max=None) -> NamedArray:
 
 def _axes(x: NamedArray, dim, op: str) -> tuple:
     if dim is None or dim is Ellipsis:
-        return tuple(range(x.ndim))
+        return tuple(range(x.check_rank(op).ndim))
     names = (dim,) if isinstance(dim, str) else tuple(dim)
     return tuple(x.axis(d, op) for d in names)
 
@@ -251,10 +252,6 @@ def _contract_pair(a: NamedArray, b: NamedArray, contract: set, op: str) -> Name
         a = REDUCTIONS["sum"](a, tuple(only_a))
     if only_b:
         b = REDUCTIONS["sum"](b, tuple(only_b))
-    for d in set(a.dims) & set(b.dims):
-        if a.sizes[d] != b.sizes[d]:
-            raise _errors.size_conflict(op, d, a.sizes[d], b.sizes[d], "the first operand",
-                                        "the second operand")
     dtype = jnp.result_type(a.dtype, b.dtype)
     av, bv = a.values.astype(dtype), b.values.astype(dtype)
     shared = [d for d in a.dims if d in b.dims and d in contract]
@@ -267,11 +264,21 @@ def _contract_pair(a: NamedArray, b: NamedArray, contract: set, op: str) -> Name
 def dot(*arrays: NamedArray, dim=None) -> NamedArray:
     """Contract `arrays` over the named `dim`(s), as `xarray.dot`.
 
-    `dim=None` contracts every dim held by more than one array; `dim=...` contracts every dim. Shared dims not contracted are
-    batch dims. Each pairwise contraction is one `einsum` equation.
+    `dim=None` contracts every dim held by more than one array; `dim=...`
+    contracts every dim. Shared dims not contracted are batch dims. Each
+    pairwise contraction is one `einsum` equation.
     """
     if not arrays or not all(isinstance(a, NamedArray) for a in arrays):
         raise _errors.DimError("dot: every argument must be a NamedArray; wrap arrays with nx.as_named.")
+    sizes, first = {}, {}
+    for i, a in enumerate(arrays):
+        a.check_rank("dot")
+        for d, n in zip(a.dims, a.shape):
+            j = first.setdefault(d, i)
+            if sizes.setdefault(d, n) != n:
+                raise _errors.size_conflict(
+                    "dot", d, sizes[d], n, f"argument {j + 1} (dims {_errors.fmt_dims(arrays[j].dims)})",
+                    f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
     all_dims = [d for a in arrays for d in a.dims]
     if dim is None:
         contract = {d for d in all_dims if all_dims.count(d) > 1}  # as xarray

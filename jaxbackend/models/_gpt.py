@@ -1,0 +1,130 @@
+"""A GPT (decoder-only transformer) built from `jaxbackend.nn` named layers.
+
+Dims: tokens (batch, time) -> embd vectors -> `n_layers` pre-norm
+TransformerBlocks -> final norm -> logits (batch, time, vocab). Positions
+are a learned table with dims (pos, embd), sliced to the input length and
+renamed to `time`, or rotary (`rotary=True`, no table). The output head is a
+`Linear` embd -> vocab, or the token table itself (`tie_embeddings=True`).
+
+`GPT.loss` is the mean next-token cross entropy; `generate` samples with one
+compiled step of fixed shape (the context window is right-padded; causality
+means padding never influences the position read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxbackend import named as nx
+from jaxbackend import nn
+from jaxbackend.nn import _params
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 128
+    seq_len: int = 64          # longest context (size of the position table)
+    n_layers: int = 2
+    embd: int = 64
+    heads: int = 4
+    kv_heads: int | None = None  # fewer than `heads`: grouped-query attention
+    mlp_ratio: int = 4
+    activation: str = "gelu"     # or "swiglu"
+    norm: str = "layernorm"      # or "rmsnorm"
+    rotary: bool = False
+    dropout: float = 0.0
+    use_bias: bool = True
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for f in ("vocab_size", "seq_len", "n_layers", "embd", "heads", "mlp_ratio"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"GPTConfig: {f}={getattr(self, f)} must be a positive integer.")
+        if self.embd % self.heads:
+            raise nx.DimError(f"GPTConfig: embd={self.embd} does not divide by heads={self.heads}; "
+                              f"pick embd a multiple of heads.")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise nx.DimError(f"GPTConfig: heads={self.heads} is not a multiple of "
+                              f"kv_heads={self.kv_heads}; pick kv_heads dividing heads.")
+
+
+class GPT(nnx.Module):
+    """`GPT(config, rngs=nnx.Rngs(0))(tokens)` -> logits NamedArray
+    (batch, time, vocab); tokens: int array (batch, time) or a NamedArray."""
+
+    def __init__(self, config: GPTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = self.config = config
+        self.tok = nn.Embedding(c.vocab_size, c.embd, dtype=dtype, rngs=rngs)
+        self.pos = (None if c.rotary else _params.param(
+            lambda k, s, d: jax.random.normal(k, s, d) * 0.02, rngs.params(),
+            {"pos": c.seq_len, "embd": c.embd}, dtype))
+        self.drop = nn.Dropout(c.dropout, rngs=rngs)
+        self.blocks = nnx.List([
+            nn.TransformerBlock(c.embd, c.heads, kv_heads=c.kv_heads,
+                                mlp_hidden=c.mlp_ratio * c.embd, activation=c.activation,
+                                norm=c.norm, rotary=c.rotary, use_bias=c.use_bias,
+                                dropout=c.dropout, dtype=dtype, rngs=rngs)
+            for _ in range(c.n_layers)])
+        Norm = nn.LayerNorm if c.norm == "layernorm" else nn.RMSNorm
+        self.norm = Norm({"embd": c.embd}, dtype=dtype)
+        self.head = (None if c.tie_embeddings else
+                     nn.Linear({"embd": c.embd}, {"vocab": c.vocab_size}, use_bias=False,
+                               dtype=dtype, rngs=rngs))
+
+    def __call__(self, tokens) -> nx.NamedArray:
+        if not isinstance(tokens, nx.NamedArray):
+            tokens = nx.as_named(tokens, ("batch", "time"))
+        t = tokens.sizes.get("time")
+        if t is None or t > self.config.seq_len:
+            raise nx.DimError(f"GPT: tokens have dims {tokens.sizes}; they need a 'time' dim of "
+                              f"size <= seq_len={self.config.seq_len}.")
+        x = self.tok(tokens)
+        if self.pos is not None:
+            x = x + _params.named(self.pos).isel(pos=slice(0, t)).rename(pos="time")
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        logits = self.tok.attend(x) if self.head is None else self.head(x)
+        return logits.transpose(*tokens.dims, "vocab")
+
+    def loss(self, tokens, targets) -> jax.Array:
+        """Mean cross entropy of predicting `targets` (same shape as tokens)."""
+        logits = self(tokens)
+        lp = nx.log_softmax(logits, dim="vocab").values
+        tv = targets.values if isinstance(targets, nx.NamedArray) else targets
+        nll = -jnp.take_along_axis(lp, tv[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return nll.mean()
+
+
+def generate(model: GPT, prompt, steps: int, *, key, temperature: float = 1.0) -> list:
+    """Sample `steps` tokens after `prompt` (a list of ints); returns the new ids.
+
+    One compiled function of fixed shape (1, seq_len): the window holds the
+    last seq_len tokens, right-padded with zeros; we read the logits at the
+    last real position, which padding cannot affect (causal attention).
+    """
+    n = model.config.seq_len
+    model.eval()
+
+    @nnx.jit
+    def next_logits(model, window, pos):
+        logits = model(window[None, :]).values[0]
+        return jax.lax.dynamic_index_in_dim(logits, pos, 0, keepdims=False)
+
+    ids = list(prompt) or [0]
+    out = []
+    for _ in range(steps):
+        ctx = ids[-n:]
+        window = jnp.asarray(ctx + [0] * (n - len(ctx)), jnp.int32)
+        logits = next_logits(model, window, len(ctx) - 1)
+        key, sub = jax.random.split(key)
+        nxt = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
+        ids.append(nxt)
+        out.append(nxt)
+    model.train()
+    return out

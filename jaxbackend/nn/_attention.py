@@ -1,0 +1,98 @@
+"""Named multi-head self-attention: causal mask, grouped-query attention,
+optional rotary positions.
+
+Dims: the input carries `time` and `embd` (plus any batch dims). Projections
+are `Linear`s: q: embd -> (head, hd); k, v: embd -> (kv_head, hd); out:
+(head, hd) -> embd. With grouped-query attention (`kv_heads < heads`) the
+query heads are split by name, head -> (kv_head, group), so each group of
+query heads reads one key/value head without copying k or v (no `repeat`):
+the score contraction simply has `kv_head` as a batch dim and `group` as a
+free dim. Keys get their time dim renamed `time_k`, so the scores carry
+(..., time, time_k) and the causal mask is `time >= time_k` by name.
+
+Rotary positions (RoPE, the "rotate half" form) rotate the first and second
+halves of `hd` of q and k by position-dependent angles; `rope(...)` is
+exported so positional references can apply the same formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxbackend import named as nx
+from jaxbackend.nn._layers import Dropout, Linear, check_input
+
+
+def rope_tables(t: int, hd: int, base: float = 10000.0, dtype=jnp.float32):
+    """cos and sin tables of shape (t, hd // 2)."""
+    inv = 1.0 / (base ** (jnp.arange(0, hd // 2, dtype=jnp.float32) * 2.0 / hd))
+    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def rope(x: nx.NamedArray, *, time: str = "time", hd: str = "hd", base: float = 10000.0):
+    """Rotate halves of `hd` by angles set by the position along `time`."""
+    n, t = x.sizes[hd], x.sizes[time]
+    if n % 2:
+        raise nx.DimError(f"rope: dim {hd!r} has size {n}; rotary positions need an even head dim.")
+    cos, sin = rope_tables(t, n, base, x.dtype)
+    cos, sin = nx.as_named(cos, (time, hd)), nx.as_named(sin, (time, hd))
+    x1, x2 = x.isel({hd: slice(0, n // 2)}), x.isel({hd: slice(n // 2, n)})
+    out = nx.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=hd)
+    return out.transpose(*x.dims)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Self-attention over `time`: (..., time, embd) -> (..., time, embd)."""
+
+    def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
+                 head_dim: int | None = None, causal: bool = True, rotary: bool = False,
+                 use_bias: bool = True, dropout: float = 0.0, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        kv_heads = heads if kv_heads is None else kv_heads
+        if heads % kv_heads:
+            raise nx.DimError(f"MultiHeadAttention: heads={heads} is not a multiple of "
+                              f"kv_heads={kv_heads}; pick kv_heads dividing heads.")
+        if head_dim is None:
+            if embd % heads:
+                raise nx.DimError(f"MultiHeadAttention: embd={embd} does not divide by "
+                                  f"heads={heads}; pass head_dim= or change heads.")
+            head_dim = embd // heads
+        self.embd, self.heads, self.kv_heads, self.head_dim = embd, heads, kv_heads, head_dim
+        self.causal, self.rotary = causal, rotary
+        kv = "head" if kv_heads == heads else "kv_head"
+        self.kv_dim = kv
+        self.query = Linear({"embd": embd}, {"head": heads, "hd": head_dim}, use_bias=use_bias,
+                            dtype=dtype, rngs=rngs)
+        self.key = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, use_bias=use_bias,
+                          dtype=dtype, rngs=rngs)
+        self.value = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, use_bias=use_bias,
+                            dtype=dtype, rngs=rngs)
+        self.out = Linear({"head": heads, "hd": head_dim}, {"embd": embd}, use_bias=use_bias,
+                          dtype=dtype, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
+        check_input("MultiHeadAttention", x, {"embd": self.embd})
+        if "time" not in x.dims or "time_k" in x.dims:
+            raise nx.DimError(f"MultiHeadAttention: the input has dims {x.dims}; it needs a "
+                              f"'time' dim and no 'time_k' dim (keys use that name).")
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.rotary:
+            q, k = rope(q), rope(k)
+        k, v = k.rename(time="time_k"), v.rename(time="time_k")
+        if self.kv_dim != "head":  # GQA: head -> (kv_head, group), by name
+            q = q.unstack(head={"kv_head": self.kv_heads, "group": self.heads // self.kv_heads})
+        s = nx.dot(q, k, dim="hd") / math.sqrt(self.head_dim)
+        if self.causal:
+            t = x.sizes["time"]
+            mask = nx.arange(t, dim="time") >= nx.arange(t, dim="time_k")
+            s = nx.where(mask, s, jnp.finfo(s.dtype).min)
+        a = self.dropout(nx.softmax(s, dim="time_k"))
+        o = nx.dot(a, v, dim="time_k")
+        if self.kv_dim != "head":
+            o = o.stack(head=("kv_head", "group"))
+        return self.out(o)

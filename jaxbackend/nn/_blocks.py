@@ -1,0 +1,64 @@
+"""Composite named layers: `MLP` (gelu or SwiGLU) and the pre-norm
+`TransformerBlock` (x + attn(norm(x)), then x + mlp(norm(x))).
+
+The hidden dim of the MLP is named `mlp`, so a sharding rule `mlp -> model`
+gives Megatron-style column/row-parallel projections without any layer
+knowing about meshes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxbackend import named as nx
+from jaxbackend.nn._attention import MultiHeadAttention
+from jaxbackend.nn._layers import Dropout, LayerNorm, Linear, RMSNorm
+
+ACTIVATIONS = ("gelu", "swiglu")
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+class MLP(nnx.Module):
+    """embd -> mlp -> embd. `activation="gelu"`: down(gelu(up(x)));
+    `"swiglu"`: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, embd: int, hidden: int, *, activation: str = "gelu",
+                 use_bias: bool = True, dropout: float = 0.0, dtype=jnp.float32, rngs: nnx.Rngs):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MLP: activation={activation!r} is not one of {ACTIVATIONS}.")
+        self.activation = activation
+        self.up = Linear({"embd": embd}, {"mlp": hidden}, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.gate = (Linear({"embd": embd}, {"mlp": hidden}, use_bias=use_bias, dtype=dtype,
+                            rngs=rngs) if activation == "swiglu" else None)
+        self.down = Linear({"mlp": hidden}, {"embd": embd}, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
+        if self.activation == "swiglu":
+            h = nx.silu(self.gate(x)) * self.up(x)
+        else:
+            h = nx.gelu(self.up(x))
+        return self.dropout(self.down(h))
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm1(x)); then x + mlp(norm2(x))."""
+
+    def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
+                 mlp_hidden: int | None = None, activation: str = "gelu", norm: str = "layernorm",
+                 rotary: bool = False, use_bias: bool = True, dropout: float = 0.0,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if norm not in NORMS:
+            raise ValueError(f"TransformerBlock: norm={norm!r} is not one of {tuple(NORMS)}.")
+        Norm = NORMS[norm]
+        self.norm1 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
+        self.attn = MultiHeadAttention(embd, heads, kv_heads=kv_heads, rotary=rotary,
+                                       use_bias=use_bias, dropout=dropout, dtype=dtype, rngs=rngs)
+        self.norm2 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(embd, mlp_hidden or 4 * embd, activation=activation, use_bias=use_bias,
+                       dropout=dropout, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))

@@ -1,0 +1,171 @@
+"""Named parameters: NNX variables that carry their dim names.
+
+Every parameter of a `jaxbackend.nn` layer is an `nnx.Param` whose metadata
+holds `dims`, a tuple of dim names, one per axis (`nnx.Param(w, dims=("embd",
+"head", "hd"))`). The value stays a plain `jax.Array`, so `nnx.split/merge`,
+`nnx.jit`, `nnx.grad`, optax and `jaxbackend.jit` see ordinary leaves; layers
+wrap the value as a `NamedArray` only inside `__call__` (`named(p)`).
+
+Because names live on the parameters, a sharding plan stated as rules
+"dim name -> mesh axis" turns into parameter shardings mechanically
+(`partition_specs`, `shardings`), and exports as Flax logical axis rules
+(`flax_logical_axis_rules` + `annotate_logical_axes`, after which
+`with nnx.logical_axis_rules(rules): nnx.get_partition_spec(state)` gives the
+same specs). Rules may be a dict, a sequence of pairs, or any object with a
+`.rules` attribute holding either (such as a sharding search's plan).
+
+Leaves alone: variables without `dims` metadata (RNG state, Dropout's
+counters) map to replicated specs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxbackend import named as nx
+
+
+def param(init, key, sizes: dict, dtype=jnp.float32) -> nnx.Param:
+    """An `nnx.Param` of shape `sizes.values()` with `dims=tuple(sizes)`."""
+    dims = tuple(sizes)
+    shape = tuple(int(sizes[d]) for d in dims)
+    return nnx.Param(init(key, shape, dtype), dims=dims)
+
+
+def fan_in_normal(in_size: int):
+    """Normal(0, 1/fan_in) init (what `nnx.Linear`'s lecun_normal does, minus truncation)."""
+    std = 1.0 / math.sqrt(max(in_size, 1))
+
+    def init(key, shape, dtype):
+        return jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)
+    return init
+
+
+def zeros_init(key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def ones_init(key, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+def named(p: nnx.Variable) -> nx.NamedArray:
+    """The parameter's value as a NamedArray with its recorded dims."""
+    return nx.NamedArray(p[...], p.get_metadata("dims"))
+
+
+# -- rules -> shardings --------------------------------------------------------
+
+def normalize_rules(rules) -> dict:
+    """dict dim -> mesh axis (str), tuple of axes, or None (replicated)."""
+    if hasattr(rules, "rules"):
+        rules = rules.rules
+    if rules is None:
+        return {}
+    if isinstance(rules, dict):
+        items = list(rules.items())
+    else:
+        try:
+            items = [tuple(r) for r in rules]
+        except TypeError:
+            raise ValueError(f"sharding rules {rules!r} must be a dict of dim -> mesh axis or a "
+                             f"sequence of (dim, mesh axis) pairs.") from None
+    out = {}
+    for item in items:
+        if len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"sharding rule {item!r} must be a (dim name, mesh axis) pair.")
+        dim, axis = item
+        if isinstance(axis, list):
+            axis = tuple(axis)
+        out[dim] = axis
+    return out
+
+
+def _spec(dims, rules: dict) -> PartitionSpec:
+    used, entries = set(), []
+    for d in dims:
+        axis = rules.get(d)
+        axes = axis if isinstance(axis, tuple) else (axis,) if axis is not None else ()
+        if any(a in used for a in axes):
+            axis = None  # a mesh axis may shard only one dim of an array
+        else:
+            used.update(axes)
+        entries.append(axis)
+    return PartitionSpec(*entries)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _state(tree):
+    return nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+
+
+def param_dims(tree):
+    """A tree like `nnx.state(module)` whose leaves are each variable's dims
+    (None for variables without names)."""
+    return jax.tree.map(lambda v: v.get_metadata("dims", None) if _is_var(v) else None,
+                        _state(tree), is_leaf=_is_var)
+
+
+def partition_specs(tree, rules):
+    """PartitionSpec per variable of a module (or its state) under `rules`."""
+    r = normalize_rules(rules)
+
+    def one(v):
+        dims = v.get_metadata("dims", None) if _is_var(v) else None
+        if dims is None:
+            return PartitionSpec()
+        return _spec(dims, r)
+    return jax.tree.map(one, _state(tree), is_leaf=_is_var)
+
+
+def shardings(tree, rules, mesh):
+    """NamedSharding per variable, for `jax.device_put(state, shardings(...))`."""
+    check_divisible(tree, rules, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), partition_specs(tree, rules),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def check_divisible(tree, rules, mesh) -> None:
+    """Raise `nx.DimError` naming the first parameter dim whose size does not
+    divide by the mesh axes the rules put it on."""
+    r = normalize_rules(rules)
+    leaves = jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
+    for path, v in leaves:
+        dims = v.get_metadata("dims", None) if _is_var(v) else None
+        if dims is None:
+            continue
+        for d, n in zip(dims, v[...].shape):
+            axis = r.get(d)
+            axes = axis if isinstance(axis, tuple) else (axis,) if axis is not None else ()
+            k = math.prod(mesh.shape[a] for a in axes) if axes else 1
+            if n % k:
+                raise nx.DimError(
+                    f"dim {d!r} of parameter {jax.tree_util.keystr(path)} has size {n}, which "
+                    f"mesh axes {axes} of total size {k} do not divide; pick sizes that are "
+                    f"multiples of {k} or map {d!r} to a smaller mesh axis.")
+
+
+# -- Flax logical axis rules ------------------------------------------------------
+
+def flax_logical_axis_rules(rules) -> tuple:
+    """Rules as Flax logical axis rules: a tuple of (logical name, mesh axis)
+    pairs for `nnx.logical_axis_rules(...)` / `flax.linen.logical_axis_rules`."""
+    return tuple(normalize_rules(rules).items())
+
+
+def annotate_logical_axes(module: nnx.Module) -> nnx.Module:
+    """Copy every parameter's `dims` into Flax's `out_sharding` metadata (the
+    logical axis names Flax resolves with `nnx.logical_axis_rules`). In place;
+    returns the module. Values are not moved."""
+    for _, v in nnx.iter_graph(module):
+        if _is_var(v) and v.get_metadata("dims", None) is not None:
+            v.set_metadata(out_sharding=tuple(v.get_metadata("dims")))
+    return module

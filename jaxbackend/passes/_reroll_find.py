@@ -1,0 +1,356 @@
+"""Finding rollable runs of layer blocks in a flat jaxpr (the analysis half of
+`passes.reroll`; the rewrite half lives in `reroll.py`).
+
+A *run* is `repeats` consecutive, equally long slices ("blocks") of the
+equation list, `period` equations each, such that
+
+1. the blocks are structurally identical: equation r of every block has the
+   same primitive, the same parameters, the same operand and result types and
+   the same literal operands (checked by comparing interned signatures);
+2. they have the same data flow: operand k of equation r reads, in every
+   block, either a value made earlier in the same block at the same place
+   (`int`), a value made by the previous block at the same place (`car`, a
+   loop carry), a literal, or a value from before the run (`out`: either the
+   same variable in every block, a loop invariant, or a different one per
+   block, like the layer's own weights, which gets stacked);
+3. each block feeds the next (at least one carry), so unrelated look-alike
+   equations (three parallel projections) do not become a loop.
+
+Anything else (a value used two blocks later, a block that reads its
+neighbour's weight, a block whose literal differs, a block with a different
+width) breaks the run at that block; a run needs `min_repeats` blocks.
+
+Linear time: equations are hashed once into interned integer signatures
+(parameters canonicalised, sub-jaxprs printed once per distinct object); the
+candidate periods are the distances between consecutive occurrences of equal
+signatures (a histogram, best few kept); each candidate is checked by one
+scan `sig[i] == sig[i + period]`; each found region is verified block by
+block against a template. No equation is re-walked per candidate beyond
+these O(N) scans.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxbackend import _jax
+
+MAX_PERIOD_CANDIDATES = 16
+
+
+@dataclasses.dataclass
+class Run:
+    start: int                      # index of the first equation of block 0
+    period: int                     # equations per block
+    repeats: int                    # number of blocks
+    template: list                  # [r][k] -> ('lit',) | ('int', r, o) | ('car', c) | ('out', s)
+    carry_slots: list               # [c] -> (r, o): block output carried to the next block
+    carry_init: list                # [c] -> outside var read by block 0 for that carry
+    outside: list                   # [s] -> tuple of vars, one per block (same var: invariant)
+    ys_slots: list                  # [(r, o)] block outputs used after the run, stacked
+    carry_ys: list                  # [c] carries whose per-block values are used after the run
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def block_eqn_index(self, j: int, r: int) -> int:
+        return self.start + j * self.period + r
+
+
+# ---------------------------------------------------------------------------
+# signatures
+
+class _Canon:
+    """Hashable canonical forms of equation parameters (memoised per object)."""
+
+    def __init__(self):
+        self._jaxpr_keys: dict = {}
+
+    def jaxpr_key(self, jaxpr):
+        k = self._jaxpr_keys.get(id(jaxpr))
+        if k is None:
+            k = self._jaxpr_keys[id(jaxpr)] = (str(jaxpr), jaxpr)  # keep obj alive: id stays unique
+        return k[0]
+
+    def __call__(self, x):
+        if isinstance(x, _jax.ClosedJaxpr):
+            return ("cj", self.jaxpr_key(x.jaxpr), tuple(id(c) for c in x.consts))
+        if isinstance(x, _jax.Jaxpr):
+            return ("j", self.jaxpr_key(x))
+        if isinstance(x, (tuple, list)):
+            return tuple(self(y) for y in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, self(v)) for k, v in x.items()))
+        try:
+            hash(x)
+        except TypeError:  # arrays and other unhashables: identity (conservative)
+            return ("id", id(x))
+        return x
+
+
+def _literal_key(lit):
+    val = np.asarray(lit.val)
+    return ("lit", lit.aval, val.dtype.str, val.shape, val.tobytes())
+
+
+def signatures(eqns) -> list:
+    """One interned int per equation; equal ints <=> same primitive, params,
+    operand types, literal values and result types."""
+    canon, intern, sigs = _Canon(), {}, []
+    for i, e in enumerate(eqns):
+        if e.effects:  # effectful equations never repeat (order matters)
+            key = ("effects", i)
+        else:
+            ins = tuple(_literal_key(v) if isinstance(v, _jax.Literal) else v.aval for v in e.invars)
+            key = (e.primitive.name, canon(e.params), ins, tuple(v.aval for v in e.outvars))
+        sigs.append(intern.setdefault(key, len(intern)))
+    return sigs
+
+
+def candidate_periods(sigs, min_repeats: int) -> list:
+    """Distances between consecutive equal signatures, best-covering first."""
+    last, hist = {}, collections.Counter()
+    for i, s in enumerate(sigs):
+        if s in last:
+            hist[i - last[s]] += 1
+        last[s] = i
+    ok = [(c * d, d) for d, c in hist.items() if c >= max(1, min_repeats - 1)]
+    ok.sort(key=lambda t: (-t[0], t[1]))
+    return [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
+
+
+def periodic_regions(sigs, period: int, min_repeats: int):
+    """Maximal [a, b) with sig[i] == sig[i + period] for a <= i < b - period."""
+    n, i, need = len(sigs), 0, (min_repeats - 1) * period
+    while i + period < n:
+        if sigs[i] != sigs[i + period]:
+            i += 1
+            continue
+        j = i
+        while j + period < n and sigs[j] == sigs[j + period]:
+            j += 1
+        if j - i >= need:
+            yield i, j + period
+        i = j + 1
+
+
+# ---------------------------------------------------------------------------
+# data flow
+
+class Graph:
+    """Definition sites and use sites of every variable (built once)."""
+
+    def __init__(self, jaxpr):
+        self.eqns = jaxpr.eqns
+        self.n = len(self.eqns)
+        self.defs: dict = {}                           # var -> (eqn index, output index)
+        self.uses = collections.defaultdict(list)      # var -> sorted eqn indices
+        for i, e in enumerate(self.eqns):
+            for v in e.invars:
+                if not isinstance(v, _jax.Literal):
+                    self.uses[v].append(i)
+            for o, v in enumerate(e.outvars):
+                self.defs[v] = (i, o)
+        for v in jaxpr.outvars:
+            if not isinstance(v, _jax.Literal):
+                self.uses[v].append(self.n)            # "used after every equation"
+
+    def last_use(self, v) -> int:
+        u = self.uses.get(v)
+        return u[-1] if u else -1
+
+
+def phase_ranking(g: Graph, a: int, b: int, period: int, min_repeats: int) -> list:
+    """Block starts in [a, a + period), best first: fewest values live across
+    the block boundary (carries), then most blocks, then earliest. Items are
+    (live, -blocks, start)."""
+    nb_max = (b - a) // period
+    p = a + period * max(0, (nb_max - 2) // 2)        # a window with a next block
+    diff = [0] * (period + 1)
+    for i in range(p, p + period):
+        for v in g.eqns[i].outvars:
+            uses = g.uses.get(v)
+            if not uses:
+                continue
+            k = bisect.bisect_right(uses, i + period) - 1
+            if k < 0 or uses[k] <= i:
+                continue
+            lo, hi = (i + 1 - a) % period, (uses[k] - a) % period   # live over cuts (i, u]
+            if uses[k] - i >= period:
+                diff[0] += 1
+                diff[period] -= 1
+            elif lo <= hi:
+                diff[lo] += 1
+                diff[hi + 1] -= 1
+            else:
+                diff[lo] += 1
+                diff[period] -= 1
+                diff[0] += 1
+                diff[hi + 1] -= 1
+    ranked, live = [], 0
+    for c in range(period):
+        live += diff[c]
+        nb = (b - a - c) // period
+        if nb >= min_repeats:
+            ranked.append((live, -nb, a + c))
+    ranked.sort()
+    return ranked
+
+
+def _desc(g: Graph, v, j: int, s: int, start: int, period: int):
+    """How block j (of a run whose first block is s) reads operand v."""
+    if isinstance(v, _jax.Literal):
+        return ("lit",)
+    d = g.defs.get(v)
+    if d is None or d[0] < start + s * period:
+        return ("out", v)
+    bj, r = divmod(d[0] - start, period)
+    if bj == j:
+        return ("int", r, d[1])
+    if bj == j - 1:
+        return ("car", r, d[1])
+    return ("bad",)
+
+
+def _matches(t, d):
+    return t[0] == d[0] and (t[0] == "out" or t == d)
+
+
+def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int) -> list:
+    """Verified runs among blocks start + j*period, j < nblocks."""
+    runs, s = [], 0
+    while nblocks - s >= min_repeats:
+        eq = lambda j, r: g.eqns[start + j * period + r]  # noqa: E731
+        # template: block s+1 relative to block s
+        tmpl = [[_desc(g, v, s + 1, s, start, period) for v in eq(s + 1, r).invars]
+                for r in range(period)]
+        if any(d[0] == "bad" for row in tmpl for d in row) or not any(
+                d[0] == "car" for row in tmpl for d in row):
+            s += 1
+            continue
+        # block s: carried operands must come from outside, one var per carry
+        init, ok = {}, True
+        for r in range(period):
+            for t, v in zip(tmpl[r], eq(s, r).invars):
+                d = _desc(g, v, s, s, start, period)
+                if t[0] == "car":
+                    ok = ok and d[0] == "out" and init.setdefault(t[1:], v) is v
+                else:
+                    ok = ok and _matches(t, d)
+        if not ok:
+            s += 1
+            continue
+        j = s + 2
+        while j < nblocks and all(_matches(t, _desc(g, v, j, s, start, period))
+                                  for r in range(period)
+                                  for t, v in zip(tmpl[r], eq(j, r).invars)):
+            j += 1
+        if j - s >= min_repeats:
+            runs.append(_make_run(g, start + s * period, period, j - s, tmpl, init))
+            s = j
+        else:
+            s += 1
+    return runs
+
+
+def _make_run(g: Graph, start: int, period: int, n: int, tmpl, init) -> Run:
+    eqns, stop = g.eqns, start + period * n
+    carry_slots = list(init)                       # (r, o) in first-use order
+    carry_index = {slot: c for c, slot in enumerate(carry_slots)}
+    outside, outside_index, template = [], {}, []
+    for r in range(period):
+        row = []
+        for k, t in enumerate(tmpl[r]):
+            if t[0] == "car":
+                row.append(("car", carry_index[t[1:]]))
+            elif t[0] == "out":
+                vs = tuple(eqns[start + j * period + r].invars[k] for j in range(n))
+                if vs not in outside_index:
+                    outside_index[vs] = len(outside)
+                    outside.append(vs)
+                row.append(("out", outside_index[vs]))
+            else:
+                row.append(t)
+        template.append(row)
+    ys_slots, carry_ys = [], []
+    for r in range(period):
+        for o, v0 in enumerate(eqns[start + r].outvars):
+            if isinstance(v0, _jax.DropVar):
+                continue
+            outs = [eqns[start + j * period + r].outvars[o] for j in range(n)]
+            c = carry_index.get((r, o))
+            if c is None:
+                if any(g.last_use(v) >= stop for v in outs):
+                    ys_slots.append((r, o))
+            elif any(g.last_use(v) >= stop for v in outs[:-1]):
+                carry_ys.append(c)
+    return Run(start, period, n, template, carry_slots, [init[s] for s in carry_slots],
+               outside, ys_slots, carry_ys)
+
+
+def find_runs(jaxpr, min_repeats: int = 2) -> list:
+    """Non-overlapping verified runs of `jaxpr` (top level), in program order."""
+    if len(jaxpr.eqns) < 2 * min_repeats:
+        return []
+    g = Graph(jaxpr)
+    sigs = signatures(jaxpr.eqns)
+    found = []                                       # (run, region)
+    for period in candidate_periods(sigs, min_repeats):
+        for a, b in periodic_regions(sigs, period, min_repeats):
+            ranked = phase_ranking(g, a, b, period, min_repeats)
+            if ranked:
+                region = (a, b, period, ranked)
+                found.extend((r, region) for r in split_runs(g, ranked[0][2], period,
+                                                             -ranked[0][1], min_repeats))
+    chosen = _select(found)
+    return [r for r, _ in _align_producers(g, chosen, min_repeats)]
+
+
+def _select(found):
+    """Greedy non-overlapping choice, most equations covered first."""
+    found = sorted(found, key=lambda t: (-(t[0].period * t[0].repeats), t[0].period, t[0].start))
+    chosen = []
+    for r, reg in found:
+        if all(r.stop <= c.start or c.stop <= r.start for c, _ in chosen):
+            chosen.append((r, reg))
+    return sorted(chosen, key=lambda t: t[0].start)
+
+
+def _align_producers(g: Graph, chosen, min_repeats: int):
+    """Re-phase a run whose per-block results a later run reads (forward
+    residuals read by the backward run): among the block starts that tie on
+    the ranking, take one whose blocks each hold all the values one consumer
+    block reads, so the consumer scans the producer's stacked outputs
+    instead of a copy. (Forward and backward layers then line up.)"""
+    out = list(chosen)
+    for fi, (f, reg) in enumerate(out):
+        a, b, period, ranked = reg
+        spans = []                                     # (lo, hi) eqn positions per consumer block
+        for c, _ in out[fi + 1:]:
+            per_block = [vs for vs in c.outside if any(v is not vs[0] for v in vs)]
+            for j in range(c.repeats):
+                pos = [g.defs[vs[j]][0] for vs in per_block
+                       if vs[j] in g.defs and a <= g.defs[vs[j]][0] < b]
+                if pos:
+                    spans.append((min(pos), max(pos)))
+        if not spans:
+            continue
+        best = ranked[0][:2]
+        for live, neg_nb, start in ranked:
+            if (live, neg_nb) != best:
+                break
+            if not all((lo - start) // period == (hi - start) // period for lo, hi in spans):
+                continue
+            if start != f.start:
+                runs = split_runs(g, start, period, -neg_nb, min_repeats)
+                others = [c for k, (c, _) in enumerate(out) if k != fi]
+                if len(runs) == 1 and all(runs[0].stop <= c.start or c.stop <= runs[0].start
+                                          for c in others):
+                    out[fi] = (runs[0], reg)
+            break
+    return out

@@ -1,0 +1,77 @@
+"""`cse`: common-subexpression elimination.
+
+Precondition: any ClosedJaxpr.
+
+Invariant established: within each (sub-)jaxpr, no two effect-free equations
+have the same primitive, the same parameters and the same inputs (after
+earlier duplicates were merged); a later duplicate's outputs are replaced by
+the first one's. AD of named code repeats work this removes (e.g. the same
+`broadcast_in_dim` of a mask or the same transposed weight, once per use).
+
+Leaves alone: equations with effects (random state, I/O, ordered effects),
+equations whose parameters are unhashable, `remat` bodies' duplicates of
+the outer program (a sub-jaxpr is its own scope: nothing crosses a
+sub-jaxpr boundary, so rematerialisation stays intact), the number and type
+of the jaxpr's outputs. Dead duplicates are left for `dce`.
+
+Linear: one dict lookup per equation. Literal inputs are keyed by value, so
+`mul x 2.0` twice is one equation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxbackend import _jax
+from jaxbackend.passes import _rewrite
+
+# Primitives that must not be merged even without declared effects: each
+# call is meant to be distinct (`remat`'s prevent_cse, random key splits are
+# pure and may merge; optimization barriers must not).
+_NEVER = frozenset({"optimization_barrier", "remat", "checkpoint", "remat2", "random_seed",
+                    "random_wrap", "rng_uniform", "rng_bit_generator"})
+
+
+def _atom_key(a):
+    if _jax.is_var(a):
+        return a
+    val = a.val
+    if np.ndim(val) == 0:
+        return ("lit", str(a.aval), np.asarray(val).item())
+    return ("litid", id(a))
+
+
+def _make_rule():
+    seen: dict = {}
+
+    def rule(ctx, eqn):
+        if eqn.effects or eqn.primitive.name in _NEVER:
+            return None
+        try:
+            key = (ctx_id(ctx), eqn.primitive, tuple(_atom_key(a) for a in eqn.invars),
+                   tuple(sorted(eqn.params.items())))
+            hash(key)
+        except TypeError:
+            return None
+        first = seen.get(key)
+        if first is None:
+            seen[key] = eqn.outvars
+            return None
+        if any(_jax.is_dropvar(v) for v in first):
+            seen[key] = eqn.outvars  # the first's outputs were dropped: keep this one
+            return None
+        ctx.count("duplicate removed")
+        return list(first)
+
+    return rule
+
+
+def ctx_id(ctx) -> int:
+    # The rule table is shared by all sub-jaxpr walks of one pass; keying by
+    # the walk keeps each sub-jaxpr its own scope.
+    return id(ctx)
+
+
+def cse(closed):
+    """Merge duplicate effect-free equations (see module doc)."""
+    return _rewrite.rewrite(closed, {"*": _make_rule()})

@@ -1,0 +1,170 @@
+"""`fuse_projections`: undo `reshape -> dot_general -> reshape` flattening.
+
+Precondition: calls inlined (`inline_calls`) so a chain split across a `jit`
+boundary is visible; otherwise any ClosedJaxpr.
+
+Hand-written models (`x.reshape(-1, d) @ w`) and Flax layers that flatten
+emit, forward and backward,
+
+    F  (forward / input grad)  y = reshape(dot_general(reshape(x, [M, K]), w), [*batch, N])
+    W  (weight grad)           dw = dot_general(reshape(x, [M, K]), reshape(g, [M, N]),
+                                                contracting M with M)
+
+with M = prod(batch). Both hide the batch dims (e.g. `batch`, `time`) from
+the sharding search. This pass replaces F by one contraction of `x` (rank >=
+3) with `w` over K whose result keeps `*batch`, and W by one contraction of
+`x` and `g` over all batch dims. Where the names are known (both operands
+are outputs of named `einsum` equations) the contraction is emitted as a
+named `einsum`; otherwise as a `dot_general` (jnp code has no names).
+
+Invariant established: `remaining(closed) == 0`: no F chain and no W chain
+anywhere (sub-jaxprs included). The flattening reshapes become dead when
+nothing else reads them; `dce` removes them.
+
+Leaves alone (conservative matchers): reshapes with `dimensions` set, any
+flatten that is not exactly `[*batch, K] -> [prod(batch), K]` with rank >= 3,
+an unflatten whose batch dims differ from the flatten's, dot_generals with
+batch dimensions or a weight that is not rank 2, and everything else.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax import lax
+
+from jaxbackend import _jax
+from jaxbackend.passes import _rewrite
+
+
+def _flattened(ctx_producer, atom):
+    """x if `atom = reshape(x, [prod(x.shape[:-1]), x.shape[-1]])`, rank(x) >= 3."""
+    eqn = ctx_producer(atom)
+    if eqn is None or eqn.primitive.name != "reshape" or len(eqn.invars) != 1:
+        return None
+    if eqn.params.get("dimensions") is not None:
+        return None
+    x = eqn.invars[0]
+    shape = tuple(x.aval.shape)
+    if len(shape) < 3:
+        return None
+    if tuple(atom.aval.shape) != (math.prod(shape[:-1]), shape[-1]):
+        return None
+    return x
+
+
+def _is_plain_2d_dot(eqn, lhs_contract, rhs_contract):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    return (tuple(lb) == () and tuple(rb) == () and tuple(lc) == (lhs_contract,)
+            and len(eqn.invars[0].aval.shape) == 2 and len(eqn.invars[1].aval.shape) == 2
+            and tuple(rc) == (rhs_contract,))
+
+
+def _match_forward(producer, eqn):
+    """F: eqn is the unflattening reshape. Returns (x, w, c, dot) or None."""
+    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
+        return None
+    dot = producer(eqn.invars[0])
+    if dot is None or dot.primitive.name != "dot_general":
+        return None
+    w = dot.invars[1]
+    c = next((c for c in (0, 1) if _is_plain_2d_dot(dot, 1, c)), None)
+    if c is None:
+        return None
+    x = _flattened(producer, dot.invars[0])
+    if x is None:
+        return None
+    batch = tuple(x.aval.shape[:-1])
+    n = w.aval.shape[1 - c]
+    if tuple(eqn.outvars[0].aval.shape) != batch + (n,):
+        return None
+    return x, w, c, dot
+
+
+def _match_weight_grad(producer, eqn):
+    """W: eqn is dot_general(flat x, flat g) contracting the flat dim."""
+    if eqn.primitive.name != "dot_general" or not _is_plain_2d_dot(eqn, 0, 0):
+        return None
+    x = _flattened(producer, eqn.invars[0])
+    g = _flattened(producer, eqn.invars[1])
+    if x is None or g is None or tuple(x.aval.shape[:-1]) != tuple(g.aval.shape[:-1]):
+        return None
+    return x, g
+
+
+def _names(producer, atom):
+    eqn = producer(atom)
+    if eqn is not None and eqn.primitive.name == "einsum":
+        return tuple(eqn.params["out_dims"])
+    return None
+
+
+def _emit(ctx, x, y, lhs_c, rhs_c, dot, names):
+    precision = dot.params.get("precision")
+    pet = dot.params.get("preferred_element_type")
+    if names is not None:
+        from jaxbackend.named._einsum import einsum_p
+
+        lhs_dims, rhs_dims, out_dims = names
+        return ctx.bind(einsum_p, [x, y], lhs_dims=lhs_dims, rhs_dims=rhs_dims,
+                        out_dims=out_dims, precision=precision, preferred_element_type=pet)
+    dn = ((tuple(lhs_c), tuple(rhs_c)), ((), ()))
+    return ctx.bind(lax.dot_general_p, [x, y], dimension_numbers=dn, precision=precision,
+                    preferred_element_type=pet, out_sharding=dot.params.get("out_sharding"))
+
+
+def _forward_rule(ctx, eqn):
+    m = _match_forward(ctx.producer, eqn)
+    if m is None:
+        return None
+    x, w, c, dot = m
+    r = len(x.aval.shape)
+    names = None
+    xn, wn = _names(ctx.producer, x), _names(ctx.producer, w)
+    if xn is not None and wn is not None and xn[-1] == wn[c] and wn[1 - c] not in xn:
+        names = (xn, wn, xn[:-1] + (wn[1 - c],))
+    ctx.count("forward chain fused")
+    return _emit(ctx, x, w, (r - 1,), (c,), dot, names)
+
+
+def _weight_grad_rule(ctx, eqn):
+    m = _match_weight_grad(ctx.producer, eqn)
+    if m is None:
+        return None
+    x, g = m
+    r = len(x.aval.shape)
+    names = None
+    xn, gn = _names(ctx.producer, x), _names(ctx.producer, g)
+    if (xn is not None and gn is not None and xn[:-1] == gn[:-1] and xn[-1] != gn[-1]):
+        names = (xn, gn, (xn[-1], gn[-1]))
+    ctx.count("weight-grad chain fused")
+    return _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names)
+
+
+RULES = {"reshape": _forward_rule, "dot_general": _weight_grad_rule}
+
+
+def fuse_projections(closed):
+    """Replace flatten-dot-unflatten chains by batch-keeping contractions."""
+    return _rewrite.rewrite(closed, RULES)
+
+
+def remaining(closed) -> int:
+    """Number of F and W chains left, sub-jaxprs included."""
+    total = 0
+    jaxprs = [closed.jaxpr] + [e for e in _iter_subjaxprs(closed)]
+    for jaxpr in jaxprs:
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        get = lambda a, producer=producer: producer.get(a) if _jax.is_var(a) else None  # noqa: E731
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "reshape" and _match_forward(get, eqn) is not None:
+                total += 1
+            elif _match_weight_grad(get, eqn) is not None:
+                total += 1
+    return total
+
+
+def _iter_subjaxprs(closed):
+    for eqn in _rewrite.iter_eqns(closed):
+        for sub in _jax.jaxprs_in_params(eqn.params):
+            yield sub

@@ -1,0 +1,90 @@
+"""`inline`: flatten a jaxpr for XLA: no `einsum`, no nested call.
+
+Precondition: any ClosedJaxpr (named or plain).
+
+Invariant established: no `einsum` equation and no call equation (`jit`,
+`closed_call`, `core_call`) remains anywhere: at top level, inside loop and
+branch bodies (`scan`, `while`, `cond`), inside `remat` and inside the
+primal bodies of custom-derivative calls. Each einsum becomes the
+`dot_general` (+ `transpose` only when its dim order needs it) that
+`named._einsum.einsum_to_dot_general` builds; each call's body is spliced in
+with fresh variables, at any depth (the sub-jaxpr is flattened first).
+
+Leaves alone: loops, branches and `remat` (rewritten inside, never
+unrolled); calls whose `in_shardings`/`out_shardings` are set (inlining
+would drop the user's sharding; their bodies are still flattened);
+`custom_jvp_call` / `custom_vjp_call` unless `differentiated=True`: inlining
+them before AD would make AD differentiate the primal code instead of the
+custom rule, so they are inlined only where differentiation is done.
+
+`inline_calls` is the same pass with einsums kept, for the start of the
+pipeline: later passes (fusion, sharding) want flat code that still has
+names.
+"""
+
+from __future__ import annotations
+
+from jaxbackend import _jax
+from jaxbackend.named._einsum import einsum_to_dot_general
+from jaxbackend.passes import _rewrite
+
+
+def _einsum_rule(ctx, eqn):
+    params = dict(eqn.params)
+    ctx.count("einsum->dot_general")
+    key = ("einsum_to_dot_general", tuple(sorted(params.items())))
+    return ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **params), eqn.invars, key)
+
+
+def _call_rule(ctx, eqn):
+    params = eqn.params
+    for k in ("in_shardings", "out_shardings"):
+        if not all(_jax.sharding_is_unspecified(s) for s in params.get(k, ())):
+            return None
+    body = params.get("jaxpr", params.get("call_jaxpr"))
+    if body is None:
+        return None
+    if _jax.is_open_jaxpr(body):
+        body = _jax.ClosedJaxpr(body, ())
+    ctx.count(f"inlined {eqn.primitive.name}")
+    return ctx.splice(body, eqn.invars)
+
+
+def _custom_rule(ctx, eqn):
+    body = eqn.params["call_jaxpr"]
+    n_consts = eqn.params.get("num_consts", 0)
+    ctx.count(f"inlined {eqn.primitive.name}")
+    # custom_vjp_call's first `num_consts` operands are consts of call_jaxpr,
+    # which takes them as ordinary leading inputs: splice maps them in order.
+    del n_consts
+    return ctx.splice(body, eqn.invars)
+
+
+def _rules(*, einsum: bool, differentiated: bool) -> dict:
+    rules = {name: _call_rule for name in _jax.CALL_PRIMITIVES}
+    if einsum:
+        rules["einsum"] = _einsum_rule
+    if differentiated:
+        rules.update({name: _custom_rule for name in _jax.CUSTOM_DERIVATIVE_PRIMITIVES})
+    return rules
+
+
+def inline(closed, *, differentiated: bool = False):
+    """einsum -> dot_general and calls inlined, everywhere (see module doc)."""
+    return _rewrite.rewrite(closed, _rules(einsum=True, differentiated=differentiated))
+
+
+def inline_calls(closed, *, differentiated: bool = False):
+    """Only the call inlining of `inline`: einsums (and their names) stay."""
+    return _rewrite.rewrite(closed, _rules(einsum=False, differentiated=differentiated))
+
+
+def remaining(closed) -> dict:
+    """What `inline` must leave at zero: einsum and call equations, by kind."""
+    counts = {"einsum": 0, "call": 0}
+    for eqn in _rewrite.iter_eqns(closed):
+        if eqn.primitive.name == "einsum":
+            counts["einsum"] += 1
+        elif eqn.primitive.name in _jax.CALL_PRIMITIVES:
+            counts["call"] += 1
+    return counts

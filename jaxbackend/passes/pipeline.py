@@ -1,0 +1,131 @@
+"""The pass pipeline: the passes in order, by name, and the driver.
+
+Order (`DEFAULT_PIPELINE`) and why:
+
+1. `inline_calls`  flatten `jit`/`closed_call` bodies first: fusion and
+                   hoisting match chains that a call boundary would split
+                   (`jnp.linalg.norm` is a nested `jit`). Einsums stay, so
+                   names survive for the passes and the sharding search.
+2. `fuse_projections`  restore batch-keeping contractions (names where known).
+3. `hoist_broadcast`   move work above broadcasts (XSA expand form).
+4. `cse`           AD repeats work; earlier rewrites can create duplicates.
+5. `dce`           drop what fusion, hoisting and cse left dead.
+   (a `reroll` pass, repeated layers -> scan, belongs here: after cleanup,
+   before lowering; the sharding search also reads names at this point.)
+6. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
+                   jaxpr with no custom primitive.
+
+Adding a pass is one line: `PASSES["name"] = fn` (fn: ClosedJaxpr ->
+ClosedJaxpr) and its name in `DEFAULT_PIPELINE`. A pass reports matches by
+`ctx.count` (rule-table passes) or `_rewrite.record_stats`; passes that
+report nothing still get equation counts and time.
+
+`JAXBACKEND_DUMP=<dir>` writes `<dir>/<label>.<k>.<pass>.txt`, the jaxpr
+after each pass (k=0 is the input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import time
+from typing import Callable, Sequence
+
+from jaxbackend.passes import _rewrite
+from jaxbackend.passes.cse import cse
+from jaxbackend.passes.dce import dce
+from jaxbackend.passes.fuse_projections import fuse_projections
+from jaxbackend.passes.hoist_broadcast import hoist_broadcast
+from jaxbackend.passes.inline import inline, inline_calls
+
+PASSES: dict[str, Callable] = {
+    "inline_calls": inline_calls,
+    "fuse_projections": fuse_projections,
+    "hoist_broadcast": hoist_broadcast,
+    "cse": cse,
+    "dce": dce,
+    "inline": inline,
+}
+
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "inline_calls", "fuse_projections", "hoist_broadcast", "cse", "dce", "inline")
+
+
+@dataclasses.dataclass
+class PassStat:
+    name: str
+    eqns_before: int
+    eqns_after: int
+    seconds: float
+    matches: dict
+
+
+@dataclasses.dataclass
+class Report:
+    """What each pass did; `str(report)` is the one-screen table."""
+
+    stats: list
+    jaxprs: list | None = None  # [(name, ClosedJaxpr)], input first, when kept
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stats)
+
+    def __str__(self) -> str:
+        rows = [f"{'pass':<18} {'eqns before':>11} {'after':>7} {'ms':>8}  matches"]
+        for s in self.stats:
+            m = ", ".join(f"{k}: {v}" for k, v in sorted(s.matches.items())) or "-"
+            rows.append(f"{s.name:<18} {s.eqns_before:>11} {s.eqns_after:>7} "
+                        f"{s.seconds * 1e3:>8.2f}  {m}")
+        rows.append(f"{'total':<18} {'':>11} {'':>7} {self.seconds * 1e3:>8.2f}")
+        return "\n".join(rows)
+
+
+def resolve(passes) -> list[tuple[str, Callable]]:
+    """Names and/or callables -> [(name, fn)]; None means the default."""
+    if passes is None:
+        passes = DEFAULT_PIPELINE
+    if isinstance(passes, str) or callable(passes):
+        passes = (passes,)
+    out = []
+    for p in passes:
+        if isinstance(p, str):
+            if p not in PASSES:
+                raise ValueError(f"unknown pass {p!r}; choose from {', '.join(PASSES)} "
+                                 f"or pass a callable ClosedJaxpr -> ClosedJaxpr.")
+            out.append((p, PASSES[p]))
+        elif callable(p):
+            out.append((getattr(p, "__name__", repr(p)), p))
+        else:
+            raise ValueError(f"pass {p!r} is neither a registered name nor a callable; "
+                             f"give a name from {', '.join(PASSES)} or a function.")
+    return out
+
+
+def run_pipeline(closed, passes: Sequence | None = None, *, keep_jaxprs: bool = False,
+                 label: str = "jaxpr"):
+    """Run `passes` (names or callables; default pipeline) -> (closed, Report)."""
+    dump = os.environ.get("JAXBACKEND_DUMP")
+    dump_dir = pathlib.Path(dump) if dump else None
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+        (dump_dir / f"{label}.0.input.txt").write_text(str(closed))
+    jaxprs = [("input", closed)] if keep_jaxprs else None
+    stats = []
+    n = _rewrite.count_eqns(closed)
+    for k, (name, fn) in enumerate(resolve(passes), start=1):
+        t0 = time.perf_counter()
+        with _rewrite.collect_stats() as matches:
+            closed = fn(closed)
+        dt = time.perf_counter() - t0
+        m = _rewrite.count_eqns(closed)
+        stats.append(PassStat(name, n, m, dt, dict(matches)))
+        n = m
+        if jaxprs is not None:
+            jaxprs.append((name, closed))
+        if dump_dir is not None:
+            (dump_dir / f"{label}.{k}.{name}.txt").write_text(str(closed))
+    return closed, Report(stats, jaxprs)

@@ -1,0 +1,273 @@
+"""The cost model: step time and memory per device of a graph under plans.
+
+Precondition: a finished `_graph.Graph` and a `MeshSpec`. A plan gives each
+*key* (a dim name, or a tied group of unnamed dims) a mesh-axis group as a
+bit mask. Everything here is vectorised over N candidate plans at once: a
+plan is a column of a `(n_keys, N)` mask array, so the search evaluates each
+distinct op once over all the plans it can see.
+
+Layout of a tensor: its axes take their keys' masks in order, and an axis
+loses mesh axes an earlier axis of the same tensor already uses (the
+per-tensor exception: `scores(time, time_k)` with both names on `seq` keeps
+`seq` on `time` only).
+
+Per op (evaluated once per distinct op, times its multiplicity):
+* compute: flops / (devices sharing the iteration space) / peak, or bytes /
+  memory bandwidth for data movement, whichever is larger;
+* operand resharding: an operand sharded on a mesh axis that the op's
+  iteration layout does not use on that axis is all-gathered (bytes = the
+  gathered per-device buffer); less sharding than needed is a free slice;
+* reduction: summed dims sharded on mesh axes leave partial sums: a
+  reduce-scatter onto axes the result wants (if the backend emits one) and an
+  all-reduce over the rest (this is where data-parallel gradient reductions
+  of replicated weights come from);
+* contractions try three iteration layouts (result dims first, or either
+  operand's dims first) and keep the cheapest, as XLA's SPMD partitioner
+  chooses between gathering an operand and reducing a partial result.
+
+Collectives use the alpha-beta ring formulas on the group's slowest link:
+all-reduce 2(n-1)/n S/B + 2(n-1)a, all-gather / reduce-scatter / all-to-all
+(n-1)/n S/B + (n-1)a, S the full (gathered / unreduced) buffer.
+
+Memory per device: arguments + results + the peak over program order of live
+intermediates that XLA materialises (outputs of contractions, reductions and
+of elementwise chains that feed one); elementwise temporaries consumed only
+by elementwise ops are assumed fused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxbackend.sharding._graph import REPLICATED, UNMAPPED
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+class CostModel:
+    def __init__(self, graph, mesh):
+        self.g, self.mesh = graph, mesh
+        g = graph
+        self.n_keys = len(g.key_names)
+        self.var_keys = [tuple(g.class_key[c] for c in cs) for cs in g.var_classes]
+        # Distinct ops (layers repeat): signature -> [op, total multiplicity].
+        sigs: dict = {}
+        for op in g.ops:
+            if op.mult == 0:
+                continue
+            sig = (op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
+                   tuple((self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
+                   tuple((self.var_keys[v], g.nbytes(v), m) for v, m in op.outs),
+                   op.reduced, op.flops)
+            if sig in sigs:
+                sigs[sig][1] += op.mult
+            else:
+                sigs[sig] = [sig, op.mult]
+        self.sigs = list(sigs.values())
+        self.sig_keys = [sorted({k for k in sig[2]} | {k for t in sig[3] + sig[4] for k in t[0]})
+                         for sig, _ in self.sigs]
+        self._memory_setup()
+
+    # -- layouts ---------------------------------------------------------------
+    def _layout(self, keys, masks):
+        used = 0
+        out = []
+        for k in keys:
+            m = masks[k] & ~used
+            used = used | m
+            out.append(m)
+        return out
+
+    def _shard(self, mask_list):
+        gs = self.mesh.group_size
+        s = 1.0
+        for m in mask_list:
+            s = s * gs[m]
+        return s
+
+    def _coll(self, kind, mask, full_bytes):
+        """Time of one collective over the mesh group `mask` on a buffer of
+        `full_bytes` per device (gathered / unreduced size)."""
+        ms = self.mesh
+        n = ms.group_size[mask]
+        frac = (n - 1) / n
+        steps = n - 1
+        if kind == "all-reduce":
+            frac, steps = 2 * frac, 2 * steps
+        return frac * full_bytes / ms.group_bandwidth[mask] + steps * ms.group_latency[mask]
+
+    # -- one distinct op under N plans -------------------------------------------
+    def op_cost(self, sig, masks, detail=False):
+        kind, isizes, ikeys, ins, outs, reduced, flops = sig
+        orders = [list(range(len(isizes)))]
+        if kind == "contract":
+            for _, _, amap in ins:
+                first = [i for i in amap if i >= 0]
+                orders.append(first + [i for i in orders[0] if i not in first])
+        best = None
+        for order in orders:
+            res = self._strategy(sig, masks, order, detail)
+            if best is None:
+                best = res
+            else:
+                better = res[0] < best[0]
+                best = (np.where(better, res[0], best[0]),
+                        {k: np.where(better, res[1][k], best[1][k]) for k in best[1]})
+        return best
+
+    def _strategy(self, sig, masks, order, detail):
+        kind, isizes, ikeys, ins, outs, reduced, flops = sig
+        p = self.mesh.profile
+        imask = [0] * len(isizes)
+        used = 0
+        for i in order:
+            m = masks[ikeys[i]] & ~used
+            used = used | m
+            imask[i] = m
+        zero = np.zeros(np.shape(masks[0]) if self.n_keys else ())
+        comm = {k: zero for k in KINDS} if detail else None
+        nbytes = {k: zero for k in KINDS} if detail else None
+        t = zero
+        io_bytes = 0.0
+        for keys, nb, amap in ins:   # operand resharding
+            have = self._layout(keys, masks)
+            gather, shard_after = 0, 1.0
+            for a, m in enumerate(have):
+                need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
+                extra = m & ~need
+                gather = gather | extra
+                shard_after = shard_after * self.mesh.group_size[m & ~extra]
+            full = nb / shard_after
+            tt = self._coll("all-gather", gather, full)
+            t = t + tt
+            io_bytes += nb
+            if detail:
+                comm["all-gather"] = comm["all-gather"] + tt
+                nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
+        ishard = self._shard(imask)
+        out_keys, out_nb, omap = outs[0]
+        io_bytes += out_nb
+        want = self._layout(out_keys, masks)
+        produced = [imask[i] for i in omap]
+        partial = out_nb / self._shard(produced)
+        red = 0
+        for i in reduced:
+            red = red | imask[i]
+        if kind in ("contract", "reduce"):
+            scatter = 0
+            if p.reduce_scatter:
+                w_all = 0
+                for w, pr in zip(want, produced):
+                    w_all = w_all | (w & ~pr)
+                scatter = red & w_all
+            ar = red & ~scatter
+            n_sc = self.mesh.group_size[scatter]
+            t_rs = self._coll("reduce-scatter", scatter, partial)
+            t_ar = self._coll("all-reduce", ar, partial / n_sc)
+            t = t + t_rs + t_ar
+            if detail:
+                comm["reduce-scatter"] = comm["reduce-scatter"] + t_rs
+                comm["all-reduce"] = comm["all-reduce"] + t_ar
+                nbytes["reduce-scatter"] = nbytes["reduce-scatter"] + np.where(scatter > 0, partial / n_sc, 0.0)
+                nbytes["all-reduce"] = nbytes["all-reduce"] + np.where(ar > 0, partial / n_sc, 0.0)
+            produced = [pr | (w & scatter) for w, pr in zip(want, produced)]
+        # Result resharding: produced on mesh axes the result does not want.
+        gather, shard_after = 0, 1.0
+        for w, pr in zip(want, produced):
+            extra = pr & ~w
+            gather = gather | extra
+            shard_after = shard_after * self.mesh.group_size[pr & ~extra]
+        full = out_nb / shard_after
+        tg = self._coll("all-gather", gather, full)
+        t = t + tg
+        compute = np.maximum(flops / p.peak_flops, io_bytes / p.mem_bandwidth) / ishard
+        if detail:
+            comm["all-gather"] = comm["all-gather"] + tg
+            nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
+            return t + compute, dict(compute=compute + zero, **{f"t:{k}": comm[k] for k in KINDS},
+                                      **{f"b:{k}": nbytes[k] for k in KINDS},
+                                      **{f"n:{k}": (nbytes[k] > 0) * 1.0 for k in KINDS})
+        return t + compute, {}
+
+    # -- memory --------------------------------------------------------------
+    def _memory_setup(self):
+        g = self.g
+        n_ops = len(g.ops)
+        born = [-1] * len(g.shapes)
+        for i, op in enumerate(g.ops):
+            for v, _ in op.outs:
+                born[v] = i
+        fused = set()
+        consumers: dict = {}
+        for op in g.ops:
+            for v, _ in op.ins:
+                consumers.setdefault(v, []).append(op.kind)
+        for i, op in enumerate(g.ops):
+            if op.kind == "map":
+                for v, _ in op.outs:
+                    if all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars:
+                        fused.add(v)
+        groups: dict = {}
+        self.fixed_groups = []   # (keys, nbytes, count) of arguments + results
+        for v in set(g.invars) | {v for v in g.outvars if v is not None}:
+            self.fixed_groups.append((self.var_keys[v], g.nbytes(v)))
+        rows = []
+        events = []
+        for v in range(len(g.shapes)):
+            if v in g.invars or v in g.outvars or born[v] < 0 or v in fused or not g.shapes[v]:
+                continue
+            end = max(g.uses[v], born[v])
+            gk = (self.var_keys[v], g.nbytes(v))
+            j = groups.setdefault(gk, len(groups))
+            events.append((born[v], 1, j))
+            events.append((end + 1, -1, j))
+        self.mem_groups = list(groups)
+        events.sort()
+        count = np.zeros(len(groups))
+        i = 0
+        pts = []
+        while i < len(events):   # live counts after each program point
+            t0 = events[i][0]
+            while i < len(events) and events[i][0] == t0:
+                count[events[i][2]] += events[i][1]
+                i += 1
+            pts.append(count.copy())
+        rows = np.array(pts) if pts else np.zeros((1, len(groups)))
+        # Keep only points not dominated by another (a peak is at one of them).
+        rows = np.unique(rows, axis=0)
+        keep = [r for r in rows if not any((o >= r).all() and (o > r).any() for o in rows)]
+        self.mem_points = np.array(keep) if keep else np.zeros((1, len(groups)))
+        self.n_points = n_ops
+
+    def memory(self, masks):
+        """Bytes per device under each plan: (args+results, peak temporaries)."""
+        fixed = 0.0
+        for keys, nb in self.fixed_groups:
+            fixed = fixed + nb / self._shard(self._layout(keys, masks))
+        per = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.mem_groups]
+        if not per:
+            return fixed, fixed * 0.0
+        shape = np.broadcast(*[np.asarray(x) for x in per]).shape
+        mat = np.stack([np.broadcast_to(x, shape) for x in per])       # groups x N
+        temp = (self.mem_points @ mat.reshape(len(per), -1)).max(axis=0).reshape(shape)
+        return fixed, temp
+
+    # -- whole plans -------------------------------------------------------------
+    def evaluate(self, masks):
+        """A full breakdown for one plan (`masks[k]` an int per key)."""
+        masks = [np.asarray(m) for m in masks]
+        total = 0.0
+        acc: dict = {}
+        for sig, mult in self.sigs:
+            t, d = self.op_cost(sig, masks, detail=True)
+            total = total + mult * t
+            for k, v in d.items():
+                acc[k] = acc.get(k, 0.0) + (mult * v)
+        fixed, temp = self.memory(masks)
+        out = {"time": float(total), "compute": float(acc.get("compute", 0.0)),
+               "memory": float(fixed + temp), "memory_fixed": float(fixed), "memory_temp": float(temp)}
+        for k in KINDS:
+            out[k] = {"time": float(acc.get(f"t:{k}", 0.0)), "bytes": float(acc.get(f"b:{k}", 0.0)),
+                      "count": float(acc.get(f"n:{k}", 0.0))}
+        out["communication"] = sum(out[k]["time"] for k in KINDS)
+        return out

@@ -1,0 +1,159 @@
+"""Mesh and hardware description: what the cost model knows about machines.
+
+A `HardwareProfile` is per-device numbers (peak flop/s, memory bandwidth,
+memory) plus two link levels: devices within a node talk over a fast link
+(NVLink), nodes over a slower fabric (InfiniBand). A `MeshSpec` is a mesh's
+axis names and sizes plus, per axis, the link bandwidth and latency of the
+alpha-beta model. Axes are placed on links the way `jax.make_mesh` lays out
+devices: the last (minor) axes vary fastest, so they fill a node first; an
+axis whose devices span nodes uses the fabric. Every number can be
+overridden (`HardwareProfile(...)`, `dataclasses.replace`, or
+`MeshSpec(..., axis_bandwidth=..., axis_latency=...)`).
+
+A mesh axis group (a set of mesh axes that one dim is sharded over) is
+handled as a bit mask over the axes; `group_size[mask]`,
+`group_bandwidth[mask]` (the slowest member link) and `group_latency[mask]`
+are tables indexed by mask, so the cost model can be vectorised over many
+candidate plans at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+GiB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_flops: float            # per device, flop/s
+    mem_bandwidth: float         # per device, bytes/s (elementwise work is bandwidth-bound)
+    memory: float                # per device, bytes
+    devices_per_node: int        # devices sharing the fast link
+    intra_bandwidth: float       # bytes/s per device on the fast link
+    intra_latency: float         # seconds per collective step on the fast link
+    inter_bandwidth: float       # bytes/s per device across nodes
+    inter_latency: float
+    # XLA:CPU lowers reduce-scatter as all-reduce + slice; GPU emits it.
+    reduce_scatter: bool = True
+
+
+def cpu_profile(memory: float | None = None) -> HardwareProfile:
+    """This class of machine: host 'devices' share one memory system."""
+    return HardwareProfile(
+        name="cpu", peak_flops=5e10, mem_bandwidth=1e10, memory=memory or 24 * GiB,
+        devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=2e-5,
+        inter_bandwidth=5e9, inter_latency=2e-5, reduce_scatter=False)
+
+
+def h100_profile() -> HardwareProfile:
+    """8 x H100 SXM per node: NVLink 4 (450 GB/s/direction), 400 Gb/s IB per GPU."""
+    return HardwareProfile(
+        name="h100", peak_flops=989e12, mem_bandwidth=3.35e12, memory=80e9,
+        devices_per_node=8, intra_bandwidth=450e9, intra_latency=3e-6,
+        inter_bandwidth=50e9, inter_latency=1e-5)
+
+
+def h200_profile() -> HardwareProfile:
+    """8 x H200 per node: as H100 with 141 GB HBM3e at 4.8 TB/s."""
+    return dataclasses.replace(h100_profile(), name="h200", mem_bandwidth=4.8e12, memory=141e9)
+
+
+PROFILES = {"cpu": cpu_profile, "h100": h100_profile, "h200": h200_profile}
+
+
+class MeshSpec:
+    """Axis names, sizes and per-axis links of a device mesh (real or abstract)."""
+
+    def __init__(self, axis_names, axis_sizes, profile: HardwareProfile | str = "cpu", *,
+                 axis_bandwidth: dict | None = None, axis_latency: dict | None = None,
+                 mesh=None):
+        self.axis_names = tuple(axis_names)
+        self.axis_sizes = tuple(int(s) for s in axis_sizes)
+        if len(self.axis_names) != len(self.axis_sizes):
+            raise ValueError(f"MeshSpec: {len(self.axis_names)} axis names {self.axis_names} but "
+                             f"{len(self.axis_sizes)} sizes {self.axis_sizes}; give one size per name.")
+        self.profile = PROFILES[profile]() if isinstance(profile, str) else profile
+        self.mesh = mesh  # the jax Mesh, when built from one (needed to compile)
+        bw, lat = self._links()
+        for name, d in (("axis_bandwidth", axis_bandwidth), ("axis_latency", axis_latency)):
+            for k in d or {}:
+                if k not in self.axis_names:
+                    raise ValueError(f"MeshSpec: {name} names axis {k!r}, not one of {self.axis_names}.")
+        self.axis_bandwidth = tuple((axis_bandwidth or {}).get(a, b) for a, b in zip(self.axis_names, bw))
+        self.axis_latency = tuple((axis_latency or {}).get(a, t) for a, t in zip(self.axis_names, lat))
+        self._tables()
+
+    @classmethod
+    def from_mesh(cls, mesh, profile: HardwareProfile | str = "cpu", **kw) -> "MeshSpec":
+        """From a `jax.sharding.Mesh` or `AbstractMesh` (axes should be AxisType.Auto)."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        names = tuple(mesh.axis_names)
+        sizes = tuple(mesh.shape[a] for a in names)
+        return cls(names, sizes, profile, mesh=mesh if isinstance(mesh, jax.sharding.Mesh) else None, **kw)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    def _links(self):
+        # Minor axes fill a node first (jax.make_mesh's device order).
+        p, inner = self.profile, 1
+        bw, lat = [0.0] * len(self.axis_sizes), [0.0] * len(self.axis_sizes)
+        for i in reversed(range(len(self.axis_sizes))):
+            inner *= self.axis_sizes[i]
+            intra = inner <= p.devices_per_node
+            bw[i] = p.intra_bandwidth if intra else p.inter_bandwidth
+            lat[i] = p.intra_latency if intra else p.inter_latency
+        return bw, lat
+
+    def _tables(self):
+        n = len(self.axis_names)
+        masks = range(1 << n)
+        bits = [[i for i in range(n) if m >> i & 1] for m in masks]
+        self.group_size = np.array([math.prod(self.axis_sizes[i] for i in b) for b in bits], np.float64)
+        self.group_bandwidth = np.array([min((self.axis_bandwidth[i] for i in b), default=np.inf)
+                                         for b in bits])
+        self.group_latency = np.array([max((self.axis_latency[i] for i in b), default=0.0) for b in bits])
+
+    def mask(self, axes) -> int:
+        """Bit mask of a mesh axis name, tuple of names, or None."""
+        if axes is None:
+            return 0
+        if isinstance(axes, str):
+            axes = (axes,)
+        m = 0
+        for a in axes:
+            if a not in self.axis_names:
+                raise ValueError(f"mesh has no axis {a!r}; its axes are {self.axis_names}.")
+            m |= 1 << self.axis_names.index(a)
+        return m
+
+    def axes(self, mask: int):
+        """Inverse of `mask`: None, one name, or a tuple of names in mesh order."""
+        names = tuple(a for i, a in enumerate(self.axis_names) if mask >> i & 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    def __repr__(self):
+        axes = ", ".join(f"{a}={s}" for a, s in zip(self.axis_names, self.axis_sizes))
+        return f"MeshSpec({axes}; {self.profile.name})"
+
+
+def auto_mesh(shape, axis_names, devices=None) -> jax.sharding.Mesh:
+    """A real mesh with AxisType.Auto axes (jax.make_mesh defaults to Explicit)."""
+    auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
+    if devices is None:
+        return jax.make_mesh(tuple(shape), tuple(axis_names), axis_types=auto)
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), tuple(axis_names), axis_types=auto)
+
+
+def abstract_mesh(shape, axis_names) -> jax.sharding.AbstractMesh:
+    """A device-free mesh of any size, for planning without devices."""
+    return jax.sharding.AbstractMesh(tuple(shape), tuple(axis_names),
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names))

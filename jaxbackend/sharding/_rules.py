@@ -1,0 +1,288 @@
+"""Per-primitive rules: which axes of an equation are the same dim, and the
+equation's iteration space for the cost model.
+
+Precondition: called by `_graph._walk` once per non-call equation with the
+graph ids of its operands (None for literals) and fresh ids for its results.
+Each rule unifies positions in the graph's union-find and appends one `Op`:
+its iteration dims (one per distinct dim of the computation: the result's
+axes, then the summed ones), and for each operand and result an axis map
+from its axes to iteration dims. It leaves equations it does not know to a
+default that treats them as elementwise on equal-sized aligned axes, which
+is right for every `lax` elementwise, select, convert, cumulative and
+pad/slice primitive (sliced axes differ in size and stay unmapped).
+
+Kinds: `contract` (dot_general, einsum, gather, scatter-add: a summed or
+collapsed dim that is sharded leaves partial results that must be reduced),
+`reduce` (the same, one operand), `map` (everything else: no communication
+beyond resharding operands).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op
+
+
+def record(g, eqn, ins, outs, mult) -> None:
+    rule = RULES.get(eqn.primitive.name, _default)
+    rule(g, eqn.params, ins, outs, mult)
+
+
+def _numel(g, v) -> int:
+    return math.prod(g.shapes[v]) if v is not None else 1
+
+
+def _map_op(g, ins_maps, out, mult, kind="map", extra=(), reduced=(), flops=None):
+    """Iteration dims = `out`'s axes (+ `extra` (var, axis) positions)."""
+    n = len(g.shapes[out])
+    iclass = [(out, a) for a in range(n)] + list(extra)
+    isizes = tuple(g.shapes[out]) + tuple(g.shapes[v][a] for v, a in extra)
+    op = Op(kind, mult, isizes, iclass, tuple(ins_maps), ((out, tuple(range(n))),), tuple(reduced),
+            float(_numel(g, out) if flops is None else flops))
+    g.ops.append(op)
+    return op
+
+
+def _default(g, params, ins, outs, mult):
+    if not outs:
+        return
+    out = outs[0]
+    shape = g.shapes[out]
+    maps = []
+    for v in ins:
+        if v is None:
+            continue
+        if len(g.shapes[v]) != len(shape):
+            maps.append((v, (UNMAPPED,) * len(g.shapes[v])))
+            continue
+        m = []
+        for a, (n, k) in enumerate(zip(g.shapes[v], shape)):
+            if n == k:
+                g.union(v, a, out, a)
+                m.append(a)
+            else:
+                m.append(UNMAPPED)
+        maps.append((v, tuple(m)))
+    for w in outs[1:]:
+        if g.shapes[w] == shape:
+            for a in range(len(shape)):
+                g.union(w, a, out, a)
+    _map_op(g, maps, out, mult)
+
+
+def _transpose(g, params, ins, outs, mult):
+    (v,), (out,) = ins, outs
+    perm = params["permutation"]
+    m = [0] * len(perm)
+    for i, p in enumerate(perm):
+        g.union(v, p, out, i)
+        m[p] = i
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+
+
+def _broadcast(g, params, ins, outs, mult):
+    (v, *_), (out,) = ins, outs
+    if v is None:
+        return _map_op(g, [], out, mult, flops=0)
+    m = []
+    for a, d in enumerate(params["broadcast_dimensions"]):
+        if g.shapes[v][a] == g.shapes[out][d]:
+            g.union(v, a, out, d)
+            m.append(d)
+        else:
+            m.append(UNMAPPED)
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+
+
+def _squeeze(g, params, ins, outs, mult):
+    (v,), (out,) = ins, outs
+    drop = {d % len(g.shapes[v]) for d in params["dimensions"]}
+    m, j = [], 0
+    for a in range(len(g.shapes[v])):
+        if a in drop:
+            m.append(UNMAPPED)
+        else:
+            g.union(v, a, out, j)
+            m.append(j)
+            j += 1
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+
+
+def _reshape(g, params, ins, outs, mult):
+    v, out = ins[0], outs[0]
+    src, dst = g.shapes[v], g.shapes[out]
+    m = [UNMAPPED] * len(src)
+    a_ax = [a for a, n in enumerate(src) if n != 1]
+    b_ax = [b for b, n in enumerate(dst) if n != 1]
+    i = j = 0
+    while i < len(a_ax) and j < len(b_ax):
+        gi, gj = [a_ax[i]], [b_ax[j]]
+        pa, pb = src[a_ax[i]], dst[b_ax[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(a_ax[i]); pa *= src[a_ax[i]]; i += 1  # noqa: E702
+            else:
+                gj.append(b_ax[j]); pb *= dst[b_ax[j]]; j += 1  # noqa: E702
+        # A 1-1 group is the same dim; a merge/split records the merged axis
+        # as a product of the others (sharded as its major factor); minor
+        # input factors of a merge must be unsharded.
+        if len(gi) == 1 and len(gj) == 1:
+            g.union(v, gi[0], out, gj[0])
+        elif len(gj) == 1:
+            g.set_factors(g.pos(out, gj[0]), [g.pos(v, a) for a in gi])
+        elif len(gi) == 1:
+            g.set_factors(g.pos(v, gi[0]), [g.pos(out, b) for b in gj])
+        else:
+            g.union(v, gi[0], out, gj[0])
+        m[gi[0]] = gj[0]
+        for a in gi[1:]:
+            m[a] = REPLICATED
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+
+
+def _reduce(g, params, ins, outs, mult):
+    v, out = ins[0], outs[0]
+    axes = tuple(a % len(g.shapes[v]) for a in params["axes"])
+    kept = [a for a in range(len(g.shapes[v])) if a not in axes]
+    for j, a in enumerate(kept):
+        g.union(v, a, out, j)
+    m = [0] * len(g.shapes[v])
+    for j, a in enumerate(kept):
+        m[a] = j
+    for k, a in enumerate(axes):
+        m[a] = len(kept) + k
+    n_out = len(kept)
+    _map_op(g, [(v, tuple(m))], out, mult, kind="reduce", extra=[(v, a) for a in axes],
+            reduced=tuple(range(n_out, n_out + len(axes))), flops=_numel(g, v))
+
+
+def _dot_general(g, params, ins, outs, mult):
+    lhs, rhs = ins
+    out = outs[0]
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    nl, nr = len(g.shapes[lhs]), len(g.shapes[rhs])
+    lfree = [a for a in range(nl) if a not in lc and a not in lb]
+    rfree = [a for a in range(nr) if a not in rc and a not in rb]
+    ml, mr = [0] * nl, [0] * nr
+    o = 0
+    for a, b in zip(lb, rb):
+        g.union(lhs, a, out, o); g.union(rhs, b, out, o)  # noqa: E702
+        ml[a] = mr[b] = o
+        o += 1
+    for a in lfree:
+        g.union(lhs, a, out, o)
+        ml[a] = o
+        o += 1
+    for b in rfree:
+        g.union(rhs, b, out, o)
+        mr[b] = o
+        o += 1
+    for k, (a, b) in enumerate(zip(lc, rc)):
+        g.union(lhs, a, rhs, b)
+        ml[a] = mr[b] = o + k
+    flops = 2 * _numel(g, out) * math.prod(g.shapes[lhs][a] for a in lc)
+    _map_op(g, [(lhs, tuple(ml)), (rhs, tuple(mr))], out, mult, kind="contract",
+            extra=[(lhs, a) for a in lc], reduced=tuple(range(o, o + len(lc))), flops=flops)
+
+
+def _einsum(g, params, ins, outs, mult):
+    lhs, rhs = ins
+    out = outs[0]
+    ld, rd, od = params["lhs_dims"], params["rhs_dims"], params["out_dims"]
+    for v, dims in ((lhs, ld), (rhs, rd), (out, od)):
+        for a, d in enumerate(dims):
+            g.label(v, a, d)
+    contracted = [d for d in ld if d in rd and d not in od]
+    order = list(od) + contracted
+    idx = {d: i for i, d in enumerate(order)}
+    flops = 2 * _numel(g, out) * math.prod(g.shapes[lhs][ld.index(d)] for d in contracted)
+    _map_op(g, [(lhs, tuple(idx[d] for d in ld)), (rhs, tuple(idx[d] for d in rd))], out, mult,
+            kind="contract", extra=[(lhs, ld.index(d)) for d in contracted],
+            reduced=tuple(range(len(od), len(order))), flops=flops)
+
+
+def _gather(g, params, ins, outs, mult):
+    operand, indices = ins
+    out = outs[0]
+    dn = params["dimension_numbers"]
+    sizes = params["slice_sizes"]
+    shape = g.shapes[operand]
+    skip = set(dn.collapsed_slice_dims) | set(dn.operand_batching_dims)
+    window = [a for a in range(len(shape)) if a not in skip]
+    mo = [UNMAPPED] * len(shape)
+    for a, d in zip(window, dn.offset_dims):
+        if sizes[a] == shape[a]:
+            g.union(operand, a, out, d)
+            mo[a] = d
+    batch_out = [d for d in range(len(g.shapes[out])) if d not in dn.offset_dims]
+    mi = [UNMAPPED] * len(g.shapes[indices])
+    for a, d in zip(range(len(g.shapes[indices]) - 1), batch_out):
+        g.union(indices, a, out, d)
+        mi[a] = d
+    n = len(g.shapes[out])
+    collapsed = list(dn.collapsed_slice_dims)
+    for k, a in enumerate(collapsed):
+        mo[a] = n + k
+    _map_op(g, [(operand, tuple(mo)), (indices, tuple(mi))], out, mult, kind="contract",
+            extra=[(operand, a) for a in collapsed], reduced=tuple(range(n, n + len(collapsed))),
+            flops=_numel(g, out))
+
+
+def _scatter_add(g, params, ins, outs, mult):
+    operand, indices, updates = ins[:3]
+    out = outs[0]
+    dn = params["dimension_numbers"]
+    n = len(g.shapes[out])
+    for a in range(n):
+        g.union(operand, a, out, a)
+    skip = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    window = [a for a in range(n) if a not in skip]
+    mu = [UNMAPPED] * len(g.shapes[updates])
+    for d, a in zip(dn.update_window_dims, window):
+        if g.shapes[updates][d] == g.shapes[out][a]:
+            g.union(updates, d, out, a)
+            mu[d] = a
+    scatter = [d for d in range(len(g.shapes[updates])) if d not in dn.update_window_dims]
+    mi = [UNMAPPED] * len(g.shapes[indices])
+    for k, d in enumerate(scatter):
+        mu[d] = n + k
+        if k < len(g.shapes[indices]) - 1:
+            g.union(indices, k, updates, d)
+            mi[k] = n + k
+    maps = [(operand, tuple(range(n))), (indices, tuple(mi)), (updates, tuple(mu))]
+    _map_op(g, maps, out, mult, kind="contract", extra=[(updates, d) for d in scatter],
+            reduced=tuple(range(n, n + len(scatter))), flops=_numel(g, updates))
+
+
+def _concatenate(g, params, ins, outs, mult):
+    out, dim = outs[0], params["dimension"]
+    maps = []
+    for v in ins:
+        if v is None:
+            continue
+        m = []
+        for a in range(len(g.shapes[v])):
+            if a == dim:
+                m.append(REPLICATED)
+            else:
+                g.union(v, a, out, a)
+                m.append(a)
+        maps.append((v, tuple(m)))
+    _map_op(g, maps, out, mult, flops=0)
+
+
+def _free(g, params, ins, outs, mult):
+    for out in outs:
+        _map_op(g, [], out, mult, flops=0)
+
+
+RULES = {
+    "transpose": _transpose, "broadcast_in_dim": _broadcast, "squeeze": _squeeze,
+    "reshape": _reshape, "dot_general": _dot_general, "einsum": _einsum,
+    "gather": _gather, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
+    "concatenate": _concatenate, "iota": _free,
+    **{p: _reduce for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                            "reduce_and", "reduce_or", "argmax", "argmin")},
+}

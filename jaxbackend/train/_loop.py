@@ -1,0 +1,250 @@
+"""The training loop: a char-level GPT, AdamW, evaluation, checkpoints.
+
+State is functional: the model is split once into (graphdef, params,
+rest) and `params` is a plain dict (`nnx.to_pure_dict`), so the step is a
+pure function `(params, opt_state, data, step) -> (params, opt_state,
+loss)` that any jit takes (`jaxbackend.jit` when present, else `jax.jit`),
+and a checkpoint is just `{"params", "opt_state"}` plus JSON metadata.
+Batches are drawn inside the step from `(seed, step)` (see `_data`), so
+`--resume` replays the exact data order.
+
+Multi-device (`devices > 1`): a 1-d mesh `data`; rules dim -> mesh axis
+come from `jaxbackend.sharding.search` when it exists (its plan table is
+printed) and otherwise are the data-parallel rule `batch -> data`. Parameter
+shardings follow from the dims each parameter records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxbackend import named as nx
+from jaxbackend import nn
+from jaxbackend.models import GPT, GPTConfig, generate
+from jaxbackend.train import _checkpoint, _data
+
+CKPT_NAME = "checkpoint.ckpt"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 300
+    batch: int = 32
+    seq: int = 64
+    layers: int = 3
+    embd: int = 128
+    heads: int = 4
+    lr: float = 3e-3
+    seed: int = 0
+    out: str = "runs/train"
+    ckpt_every: int = 100
+    eval_every: int = 100
+    resume: bool = False
+    devices: int = 1
+    max_chars: int = 2_000_000
+    eval_batches: int = 8
+    sample_chars: int = 300
+    weight_decay: float = 0.1
+    warmup: int = 30
+    quiet: bool = False
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
+                         embd=self.embd, heads=self.heads)
+
+    def model_key(self) -> dict:
+        """What a checkpoint must agree on to be resumed."""
+        return dict(batch=self.batch, seq=self.seq, layers=self.layers, embd=self.embd,
+                    heads=self.heads, lr=self.lr, seed=self.seed, steps=self.steps,
+                    max_chars=self.max_chars)
+
+
+def compiler():
+    """(jit, name): `jaxbackend.jit` once it exists, else `jax.jit`."""
+    try:
+        from jaxbackend import jit as jb_jit
+        fn = getattr(jb_jit, "jit", jb_jit)
+        if callable(fn):
+            return fn, "jaxbackend.jit"
+    except ImportError:
+        pass
+    return jax.jit, "jax.jit"
+
+
+class Progress:
+    """One-line progress bar (step, loss, tokens/s) on a tty, else a line
+    every ~5% of the run."""
+
+    def __init__(self, total: int, quiet: bool = False, stream=None):
+        self.total, self.quiet, self.stream = total, quiet, stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = max(1, total // 20)
+
+    def update(self, step: int, loss: float, tok_s: float) -> None:
+        if self.quiet:
+            return
+        done = int(30 * step / self.total)
+        line = (f"step {step:>5}/{self.total} [{'#' * done}{'.' * (30 - done)}] "
+                f"loss {loss:.4f}  {tok_s / 1e3:.1f}k tok/s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+            self.stream.flush()
+        elif step % self.every == 0 or step == self.total:
+            print(line, file=self.stream, flush=True)
+
+
+def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
+    from jax.sharding import AxisType
+
+    if jax.device_count() < cfg.devices:
+        raise ValueError(f"--devices {cfg.devices} asked for, but JAX sees {jax.device_count()} "
+                         f"devices; set --devices before anything imports jax.")
+    if cfg.batch % cfg.devices:
+        raise nx.DimError(f"dim 'batch' has size {cfg.batch}, which the {cfg.devices}-device "
+                          f"mesh axis 'data' does not divide; use --batch a multiple of {cfg.devices}.")
+    mesh = jax.make_mesh((cfg.devices,), ("data",), axis_types=(AxisType.Auto,))
+    rules = None
+    try:
+        from jaxbackend import sharding
+        if hasattr(sharding, "search"):
+            plan = sharding.search(loss_fn, params, x, y, mesh=mesh)
+            log(plan.table() if hasattr(plan, "table") else str(plan))
+            rules = nn._params.normalize_rules(plan)
+    except ImportError:
+        pass
+    if rules is None:
+        rules = {"batch": "data"}
+        log("sharding plan (data parallel; jaxbackend.sharding.search not available):\n"
+            "  dim batch -> mesh axis data; every parameter replicated")
+    return mesh, rules
+
+
+def train(cfg: TrainConfig, log=print) -> dict:
+    """Run (or resume) training; returns losses, timings and paths."""
+    out = pathlib.Path(cfg.out)
+    ckpt = out / CKPT_NAME
+    ids = _data.load_corpus(cfg.max_chars)
+    train_ids, val_ids = _data.split(ids)
+    baseline = _data.unigram_baseline(train_ids, val_ids)
+    model = GPT(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
+    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(pstate)
+
+    def loss_fn(params, x, y):
+        st = jax.tree.map(lambda v: v, pstate)
+        nnx.replace_by_pure_dict(st, params)
+        return nnx.merge(graphdef, st, rest).loss(x, y)
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, min(cfg.warmup, cfg.steps),
+                                                  cfg.steps, cfg.lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))
+    data = jnp.asarray(train_ids)
+    constrain = lambda a: a  # noqa: E731
+    if cfg.devices > 1:
+        x0, y0 = _data.get_batch(data, cfg.seed, 0, cfg.batch, cfg.seq)
+        mesh, rules = _mesh_and_rules(cfg, loss_fn, params, x0, y0, log)
+        nn.check_divisible(pstate, rules, mesh)
+        specs = nn.partition_specs(pstate, rules)
+        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        shardings = jax.tree.unflatten(jax.tree.structure(params),
+                                       [jax.sharding.NamedSharding(mesh, s) for s in spec_leaves])
+        params = jax.device_put(params, shardings)
+        batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules.get("batch")))
+        constrain = lambda a: jax.lax.with_sharding_constraint(a, batch_spec)  # noqa: E731
+    opt_state = tx.init(params)
+
+    def train_step(params, opt_state, data, step):
+        x, y = _data.get_batch(data, cfg.seed, step, cfg.batch, cfg.seq)
+        x, y = constrain(x), constrain(y)
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jit, jit_name = compiler()
+    step_fn = jit(train_step, donate_argnums=(0, 1))
+    eval_fn = jit(loss_fn)
+    val_batches = _data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches)
+
+    def evaluate(params):
+        return float(np.mean([float(eval_fn(params, x, y)) for x, y in val_batches]))
+
+    start, history, val_history = 0, [], []
+    if cfg.resume:
+        (params, opt_state), meta = _load(ckpt, params, opt_state, cfg)
+        start, history, val_history = meta["step"], meta["history"], meta["val_history"]
+        log(f"resumed from {ckpt} at step {start}")
+    log(f"corpus: {len(ids):,} chars of stdlib source ({len(train_ids):,} train / "
+        f"{len(val_ids):,} val); model: {cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads, "
+        f"{sum(np.size(p) for p in jax.tree.leaves(params)):,} params; compiled with {jit_name}")
+    log(f"unigram baseline (val cross entropy of char frequencies): {baseline:.4f} nats/char")
+    bar = Progress(cfg.steps, cfg.quiet)
+    tokens = cfg.batch * cfg.seq
+    t_start, t_last, t_compile = time.perf_counter(), time.perf_counter(), None
+    for step in range(start, cfg.steps):
+        params, opt_state, loss = step_fn(params, opt_state, data, jnp.int32(step))
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
+        now = time.perf_counter()
+        if t_compile is None:
+            t_compile = now - t_last
+        tok_s = tokens / max(now - t_last, 1e-9)
+        t_last = now
+        history.append(loss)
+        bar.update(step + 1, loss, tok_s)
+        done = step + 1
+        if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
+            val_history.append((done, evaluate(params)))
+        if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
+            if done == cfg.steps:
+                val_history.append((done, evaluate(params)))
+            meta = dict(step=done, config=cfg.model_key(), history=history, val_history=val_history)
+            _checkpoint.save(ckpt, {"params": params, "opt_state": opt_state}, meta)
+            log(f"checkpoint step {done} -> {ckpt}")
+    elapsed = time.perf_counter() - t_start
+    run_steps = cfg.steps - start
+    if not val_history:
+        val_history.append((cfg.steps, evaluate(params)))
+    val = val_history[-1][1]
+    log(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
+        f"({'below' if val < baseline else 'NOT below'} by {baseline - val:.3f})")
+    st = jax.tree.map(lambda v: v, pstate)
+    nnx.replace_by_pure_dict(st, jax.device_get(params))
+    model = nnx.merge(graphdef, st, rest)
+    prompt = val_ids[: cfg.seq // 2].tolist()
+    sample = _data.decode(generate(model, prompt, cfg.sample_chars, key=jax.random.key(cfg.seed)))
+    log("sample (prompt from the validation text, then generated):\n" +
+        _data.decode(prompt) + sample)
+    from jaxbackend.train import _plots
+    png = _plots.loss_curve(out / "loss.png", history, val_history, baseline)
+    log(f"loss curve -> {png}")
+    return dict(history=history, val_history=val_history, val=val, baseline=baseline,
+                elapsed=elapsed, steps_run=run_steps, compile_s=t_compile,
+                tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),
+                sample=sample, png=png, ckpt=ckpt, jit=jit_name, params=params)
+
+
+def _load(ckpt, params, opt_state, cfg):
+    meta = _checkpoint.read_meta(ckpt)
+    saved = meta.get("config", {})
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {v} (now)"
+            for k, v in cfg.model_key().items() if saved.get(k) != v]
+    if diff:
+        raise _checkpoint.CheckpointError(
+            f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
+            f"resume with the checkpoint's flags.")
+    (p, o), meta = _checkpoint.load(ckpt, (params, opt_state))
+    # Restore the placement (sharding) of the freshly initialised state.
+    place = lambda new, old: jax.device_put(new, old.sharding)  # noqa: E731
+    return (jax.tree.map(place, p, params), jax.tree.map(place, o, opt_state)), meta

@@ -1,0 +1,44 @@
+"""`hoist_broadcast`: XSA "expand" normalises once per KV head afterwards."""
+
+import jax
+import jax.numpy as jnp
+
+from jaxbackend import passes
+from jaxbackend.passes import _rewrite
+from jaxbackend.passes.hoist_broadcast import remaining
+from tests.passes import _programs as P
+
+
+def _hoist(closed):
+    return passes.dce(passes.hoist_broadcast(passes.inline_calls(closed)))
+
+
+def test_hoist_xsa_expand_forward_grad_idempotent_and_counted():
+    flat = passes.inline_calls(jax.make_jaxpr(P.xsa_loss)(*P.xsa_args()))
+    assert remaining(flat) >= 3           # mul, reduce_sum, sqrt, div on copies
+    fwd, grad = P.check_pass(_hoist, P.xsa_loss, P.xsa_args())
+    assert remaining(fwd) == 0 and remaining(grad) == 0
+
+
+def test_hoisted_expand_does_the_unsqueeze_forms_work():
+    v, y = P.xsa_args()
+    expand = _hoist(jax.make_jaxpr(P.xsa_expand)(v, y))
+    unsq = passes.dce(passes.inline_calls(jax.make_jaxpr(P.xsa_unsqueeze)(v, y)))
+
+    def big_elementwise(closed):  # ops computed at the full (group-expanded) size
+        return sum(1 for e in closed.jaxpr.eqns if e.primitive.name != "broadcast_in_dim"
+                   and e.outvars[0].aval.size == y.size)
+
+    assert big_elementwise(expand) == big_elementwise(unsq)
+    assert _rewrite.count_eqns(expand, "sqrt") == 1
+    assert jnp.allclose(jax.core.eval_jaxpr(expand.jaxpr, expand.consts, v, y)[0],
+                        P.xsa_unsqueeze(v, y), atol=1e-5)
+
+
+def test_hoist_leaves_reductions_over_created_axes_alone():
+    def f(x):
+        b = jnp.broadcast_to(x[:, None], (3, 5))
+        return jnp.sum(b, axis=1)          # sums the 5 copies: not hoistable
+
+    closed = jax.make_jaxpr(f)(jnp.arange(3.0))
+    assert passes.hoist_broadcast(closed) is closed
