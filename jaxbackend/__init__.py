@@ -6,6 +6,8 @@ Pipeline (one subpackage per stage): `named` (front end; contractions are
 """
 
 from jaxbackend import named as named
+from jaxbackend import passes as passes
+from jaxbackend.jit import jit as jit
 from jaxbackend.named import DimError as DimError
 from jaxbackend.named import NamedArray as NamedArray
 

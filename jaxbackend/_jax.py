@@ -118,10 +118,31 @@ def check_closed_jaxpr(closed: ClosedJaxpr) -> None:
     typed by their avals); we also check that each const matches its var.
     """
     check_jaxpr(closed.jaxpr)
+    _check_scopes(closed.jaxpr, set())
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         shape, dtype = getattr(c, "shape", ()), getattr(c, "dtype", None)
         if tuple(shape) != tuple(v.aval.shape) or (dtype is not None and dtype != v.aval.dtype):
             raise TypeError(f"const for {v} has shape {shape} dtype {dtype}, expected {v.aval}")
+
+
+def _check_scopes(jaxpr: Jaxpr, seen: set) -> None:
+    """Every var read is bound earlier in its own jaxpr, every sub-jaxpr
+    included (JAX 0.10's check_jaxpr leaves some sub-jaxprs to the typecheck
+    rule of their primitive, which not all primitives have)."""
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    bound = set(jaxpr.constvars) | set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, Var) and v not in bound:
+                raise TypeError(f"variable {v} read by {eqn.primitive} before it is bound")
+        bound.update(eqn.outvars)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            _check_scopes(sub, seen)
+    for v in jaxpr.outvars:
+        if isinstance(v, Var) and v not in bound:
+            raise TypeError(f"output variable {v} is never bound")
 
 
 def eval_jaxpr(closed: ClosedJaxpr, *args):

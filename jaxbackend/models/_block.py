@@ -32,7 +32,7 @@ class BlockConfig:
     batch: int = 8
     time: int = 16
     embd: int = 32
-    kv: int = 2          # key/value heads
+    kv: int = 4          # key/value heads
     grp: int = 2         # query heads per kv head (heads = kv * grp)
     hd: int = 8          # head size
     mlp: int = 64
@@ -85,12 +85,22 @@ def init_block_params(key, cfg: BlockConfig) -> dict:
     return params
 
 
-def block_shapes(cfg: BlockConfig) -> dict:
-    """The parameter pytree as `jax.ShapeDtypeStruct`s (nothing allocated)."""
-    sd = lambda dims: jax.ShapeDtypeStruct(_shape(cfg, dims), cfg.dtype)  # noqa: E731
-    return dict(embed=sd(_TOP_DIMS["embed"]), norm_f=sd(("embd",)),
-                unembed=sd(_TOP_DIMS["unembed"]),
-                layers=[{k: sd(d) for k, d in _LAYER_DIMS.items()} for _ in range(cfg.n_layers)])
+def block_shapes(cfg: BlockConfig, *, stacked: bool = False) -> dict:
+    """The parameter pytree as `jax.ShapeDtypeStruct`s (nothing allocated);
+    `stacked`: layers as one dict of arrays with a leading layer axis."""
+    sd = lambda dims, lead=(): jax.ShapeDtypeStruct(lead + _shape(cfg, dims), cfg.dtype)  # noqa: E731
+    out = dict(embed=sd(_TOP_DIMS["embed"]), norm_f=sd(("embd",)), unembed=sd(_TOP_DIMS["unembed"]))
+    if stacked:
+        out["layers"] = {k: sd(d, (cfg.n_layers,)) for k, d in _LAYER_DIMS.items()}
+    else:
+        out["layers"] = [{k: sd(d) for k, d in _LAYER_DIMS.items()} for _ in range(cfg.n_layers)]
+    return out
+
+
+def stack_layers(params: dict) -> dict:
+    """Layers as one dict of arrays stacked on a leading axis (for `scan`)."""
+    layers = params["layers"]
+    return dict(params, layers={k: jnp.stack([p[k] for p in layers]) for k in layers[0]})
 
 
 def block_batch(key, cfg: BlockConfig, *, abstract: bool = False):
@@ -108,8 +118,11 @@ def name_block_params(params: dict) -> dict:
     """The same leaves wrapped as NamedArrays (works on ShapeDtypeStructs too)."""
     wrap = lambda v, dims: nx.NamedArray(v, dims)  # noqa: E731 (no validation: may be abstract)
     out = {k: wrap(params[k], d) for k, d in _TOP_DIMS.items()}
-    out["layers"] = [{k: wrap(layer[k], d) for k, d in _LAYER_DIMS.items()}
-                     for layer in params["layers"]]
+    if isinstance(params["layers"], dict):   # stacked: a leading "layer" dim
+        out["layers"] = {k: wrap(params["layers"][k], ("layer",) + d) for k, d in _LAYER_DIMS.items()}
+    else:
+        out["layers"] = [{k: wrap(layer[k], d) for k, d in _LAYER_DIMS.items()}
+                         for layer in params["layers"]]
     return out
 
 
@@ -123,23 +136,36 @@ def _rms_norm(x, scale, eps=1e-5):
     return x * nx.rsqrt((x * x).mean(dim="embd") + eps) * scale
 
 
+def _named_layer(x, p, causal):
+    h = _rms_norm(x, p["norm1"])
+    q = nx.dot(h, p["wq"], dim="embd")                              # batch time kv grp hd
+    k = nx.dot(h, p["wk"], dim="embd").rename(time="time_k")
+    v = nx.dot(h, p["wv"], dim="embd").rename(time="time_k")
+    s = nx.dot(q, k, dim="hd") / math.sqrt(q.sizes["hd"])           # batch kv time grp time_k
+    a = nx.softmax(nx.where(causal, s, -1e9), dim="time_k")
+    o = nx.dot(a, v, dim="time_k")                                  # batch kv time grp hd
+    x = x + nx.dot(o, p["wo"], dim=("kv", "grp", "hd"))
+    h = _rms_norm(x, p["norm2"])
+    m = nx.silu(nx.dot(h, p["wg"], dim="embd")) * nx.dot(h, p["wu"], dim="embd")
+    return x + nx.dot(m, p["wd"], dim="mlp")
+
+
 def named_block_loss(params: dict, tokens, targets):
-    """Mean next-token cross-entropy; tokens/targets NamedArray (batch, time)."""
+    """Mean next-token cross-entropy; tokens/targets NamedArray (batch, time).
+    Stacked layers (`stack_layers`) run as one `lax.scan` over "layer"."""
     x = params["embed"].isel(vocab=tokens)                         # batch time embd
     t = x.sizes["time"]
     causal = nx.arange(t, dim="time") >= nx.arange(t, dim="time_k")
-    for p in params["layers"]:
-        h = _rms_norm(x, p["norm1"])
-        q = nx.dot(h, p["wq"], dim="embd")                          # batch time kv grp hd
-        k = nx.dot(h, p["wk"], dim="embd").rename(time="time_k")
-        v = nx.dot(h, p["wv"], dim="embd").rename(time="time_k")
-        s = nx.dot(q, k, dim="hd") / math.sqrt(q.sizes["hd"])       # batch kv time grp time_k
-        a = nx.softmax(nx.where(causal, s, -1e9), dim="time_k")
-        o = nx.dot(a, v, dim="time_k")                              # batch kv time grp hd
-        x = x + nx.dot(o, p["wo"], dim=("kv", "grp", "hd"))
-        h = _rms_norm(x, p["norm2"])
-        m = nx.silu(nx.dot(h, p["wg"], dim="embd")) * nx.dot(h, p["wu"], dim="embd")
-        x = x + nx.dot(m, p["wd"], dim="mlp")
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        dims = {k: v.dims[1:] for k, v in layers.items()}
+
+        def body(x, vals):
+            return _named_layer(x, {k: nx.NamedArray(v, dims[k]) for k, v in vals.items()}, causal), None
+        x, _ = jax.lax.scan(body, x, {k: v.values for k, v in layers.items()})
+    else:
+        for p in layers:
+            x = _named_layer(x, p, causal)
     logits = nx.dot(_rms_norm(x, params["norm_f"]), params["unembed"], dim="embd")
     logp = nx.log_softmax(logits, dim="vocab")
     onehot = nx.arange(logits.sizes["vocab"], dim="vocab") == targets

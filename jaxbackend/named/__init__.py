@@ -29,6 +29,7 @@ from jaxbackend.named._ops import (
     clip as clip,
     cumsum as cumsum,
     dot as dot,
+    einsum as einsum,
     full as full,
     log_softmax as log_softmax,
     logsumexp as logsumexp,

@@ -20,8 +20,9 @@ program needs no pass; `passes.inline` uses the same `einsum_to_dot_general`
 to rewrite the jaxpr for XLA.
 
 vmap adds an axis with no name: the batching rule names it
-`__vmap<k>__` (unused elsewhere), folds it into the contraction and puts it
-first in the result.
+`__vmap<k>__` (unused elsewhere) where it sits in each operand and returns it
+where dot_general's natural order puts it (first if `out_dims` already needs
+a transpose), so vmap adds no moveaxis and no transpose of its own.
 """
 
 from __future__ import annotations
@@ -118,17 +119,23 @@ def _fresh_name(taken) -> str:
 
 def _batch_rule(axis_size, vals, bdims, *, lhs_dims, rhs_dims, out_dims, precision,
                 preferred_element_type):
-    lhs, rhs = vals
+    # Name the mapped axis where it already sits in each operand (dims are
+    # names, so no moveaxis is needed) and return it where dot_general puts
+    # it, so vmap adds no transpose beyond what `out_dims` already needed.
     name = _fresh_name(set(lhs_dims) | set(rhs_dims))
-    dims = [lhs_dims, rhs_dims]
-    ops = [lhs, rhs]
+    dims = [tuple(lhs_dims), tuple(rhs_dims)]
     for i, b in enumerate(bdims):
         if b is not None:
-            ops[i] = jnp.moveaxis(ops[i], b, 0)
-            dims[i] = (name,) + tuple(dims[i])
-    out = einsum_p.bind(*ops, lhs_dims=dims[0], rhs_dims=dims[1], out_dims=(name,) + tuple(out_dims),
+            dims[i] = dims[i][:b] + (name,) + dims[i][b:]
+    contract = [d for d in dims[0] if d in dims[1] and d not in out_dims and d != name]
+    natural = natural_out_dims(dims[0], dims[1], contract)
+    if tuple(d for d in natural if d != name) == tuple(out_dims):
+        new_out = natural
+    else:
+        new_out = (name,) + tuple(out_dims)
+    out = einsum_p.bind(*vals, lhs_dims=dims[0], rhs_dims=dims[1], out_dims=new_out,
                         precision=precision, preferred_element_type=preferred_element_type)
-    return out, 0
+    return out, new_out.index(name)
 
 
 einsum_p.def_impl(_impl)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxbackend.named import _errors
@@ -42,6 +43,8 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
     arrays, named, any_basic = [], {}, False
     for d, i in idx.items():
         k = x.axis(d, "isel")
+        if isinstance(i, (list, tuple)):
+            i = np.asarray(i)
         if isinstance(i, NamedArray):
             named[d] = i
         elif isinstance(i, slice):
@@ -221,11 +224,32 @@ def unstack(x: NamedArray, dims=None, **kwargs) -> NamedArray:
 
 
 def _getitem(x: NamedArray, key):
+    if key is Ellipsis:  # x[...] is x itself, as Flax's `variable[...]` reads it
+        return x
     if isinstance(key, dict):
         return isel(x, key)
     raise _errors.DimError(
-        f"NamedArray[...] takes a dict of dim -> index, e.g. x[{{'time': 0}}], not {key!r}; "
-        f"positions are ambiguous with names, use .isel(...).")
+        f"isel: NamedArray[...] takes a dict of dim -> index, e.g. x[{{'time': 0}}], not "
+        f"{key!r}; positions are ambiguous with names, so use .isel(...).")
+
+
+def _setitem(x: NamedArray, key, value):
+    # Only the whole-array replace that Flax's `variable[...] = new` performs:
+    # the new values must carry the same dims and sizes (any order).
+    if key is not Ellipsis:
+        raise _errors.DimError(
+            f"NamedArray[{key!r}] = ...: only x[...] = new (a whole replace) is supported; "
+            f"build a new array with nx.where or .isel + nx.concat instead.")
+    if not isinstance(value, NamedArray) or set(value.dims) != set(x.dims):
+        got = value.dims if isinstance(value, NamedArray) else "an unnamed array"
+        raise _errors.DimError(
+            f"NamedArray[...] = new: new has dims {got} but the array has "
+            f"{_errors.fmt_dims(x.dims)}; pass a NamedArray with the same dims.")
+    for d in x.dims:
+        if value.sizes[d] != x.sizes[d]:
+            raise _errors.size_conflict("NamedArray[...] = new", d, x.sizes[d], value.sizes[d],
+                                        "the array", "the new value")
+    x.values = value.transpose(*x.dims).values
 
 
 NamedArray.isel = isel
@@ -236,3 +260,4 @@ NamedArray.squeeze = squeeze
 NamedArray.stack = stack
 NamedArray.unstack = unstack
 NamedArray.__getitem__ = _getitem
+NamedArray.__setitem__ = _setitem

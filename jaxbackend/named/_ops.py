@@ -243,7 +243,8 @@ def argmin(x: NamedArray, dim: str) -> NamedArray:
 
 # -- contraction -----------------------------------------------------------------
 
-def _contract_pair(a: NamedArray, b: NamedArray, contract: set, op: str) -> NamedArray:
+def _contract_pair(a: NamedArray, b: NamedArray, contract: set, op: str,
+                   out_dims=None) -> NamedArray:
     # Dims contracted but held by one operand only are summed there first, so
     # the einsum keeps its closure property (see _einsum's docstring).
     only_a = [d for d in a.dims if d in contract and d not in b.dims]
@@ -255,10 +256,27 @@ def _contract_pair(a: NamedArray, b: NamedArray, contract: set, op: str) -> Name
     dtype = jnp.result_type(a.dtype, b.dtype)
     av, bv = a.values.astype(dtype), b.values.astype(dtype)
     shared = [d for d in a.dims if d in b.dims and d in contract]
-    out = _einsum.natural_out_dims(a.dims, b.dims, shared)
+    out = _einsum.natural_out_dims(a.dims, b.dims, shared) if out_dims is None else out_dims
     return NamedArray(
         _einsum.einsum(av, bv, lhs_dims=a.dims, rhs_dims=b.dims, out_dims=out,
                        preferred_element_type=dtype), out)
+
+
+def _check_operands(op: str, arrays) -> None:
+    """NamedArrays only, ranks intact, one size per dim name across them."""
+    if not arrays or not all(isinstance(a, NamedArray) for a in arrays):
+        raise _errors.DimError(
+            f"{op}: every argument must be a NamedArray; wrap arrays with nx.as_named.")
+    sizes, first = {}, {}
+    for i, a in enumerate(arrays):
+        a.check_rank(op)
+        for d, n in zip(a.dims, a.shape):
+            j = first.setdefault(d, i)
+            if sizes.setdefault(d, n) != n:
+                raise _errors.size_conflict(
+                    op, d, sizes[d], n,
+                    f"argument {j + 1} (dims {_errors.fmt_dims(arrays[j].dims)})",
+                    f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
 
 
 def dot(*arrays: NamedArray, dim=None) -> NamedArray:
@@ -268,17 +286,7 @@ def dot(*arrays: NamedArray, dim=None) -> NamedArray:
     contracts every dim. Shared dims not contracted are batch dims. Each
     pairwise contraction is one `einsum` equation.
     """
-    if not arrays or not all(isinstance(a, NamedArray) for a in arrays):
-        raise _errors.DimError("dot: every argument must be a NamedArray; wrap arrays with nx.as_named.")
-    sizes, first = {}, {}
-    for i, a in enumerate(arrays):
-        a.check_rank("dot")
-        for d, n in zip(a.dims, a.shape):
-            j = first.setdefault(d, i)
-            if sizes.setdefault(d, n) != n:
-                raise _errors.size_conflict(
-                    "dot", d, sizes[d], n, f"argument {j + 1} (dims {_errors.fmt_dims(arrays[j].dims)})",
-                    f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
+    _check_operands("dot", arrays)
     all_dims = [d for a in arrays for d in a.dims]
     if dim is None:
         contract = {d for d in all_dims if all_dims.count(d) > 1}  # as xarray
@@ -297,6 +305,32 @@ def dot(*arrays: NamedArray, dim=None) -> NamedArray:
         later = {d for a in arrays[i + 1:] for d in a.dims}
         out = _contract_pair(out, b, contract - later, "dot")
     return out
+
+
+def einsum(*arrays: NamedArray, out) -> NamedArray:
+    """Contract every dim not named in `out`; the result has dims `out`, in
+    that order: `nx.einsum(x, w, out=("batch", "head"))`.
+
+    Like `dot(..., dim=<all dims not in out>)` followed by a transpose, but
+    the last pairwise `einsum` equation asks for `out` directly, so the
+    transpose (if any) is part of that equation's lowering.
+    """
+    _check_operands("einsum", arrays)
+    out = _errors.check_dims_tuple("einsum", out, arg="out")
+    union = tuple(dict.fromkeys(d for a in arrays for d in a.dims))
+    for d in out:
+        if d not in union:
+            raise _errors.unknown_dim("einsum", d, union, arg="out")
+    contract = set(union) - set(out)
+    if len(arrays) == 1:
+        return REDUCTIONS["sum"](arrays[0], tuple(d for d in arrays[0].dims if d in contract)
+                                 ).transpose(*out)
+    res = arrays[0]
+    for i, b in enumerate(arrays[1:], start=1):
+        later = {d for a in arrays[i + 1:] for d in a.dims}
+        last = i == len(arrays) - 1
+        res = _contract_pair(res, b, contract - later, "einsum", out if last else None)
+    return res
 
 
 def _matmul(a, b):

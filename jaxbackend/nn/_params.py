@@ -155,10 +155,20 @@ def check_divisible(tree, rules, mesh) -> None:
 
 # -- Flax logical axis rules ------------------------------------------------------
 
-def flax_logical_axis_rules(rules) -> tuple:
+def flax_logical_axis_rules(rules, module=None) -> tuple:
     """Rules as Flax logical axis rules: a tuple of (logical name, mesh axis)
-    pairs for `nnx.logical_axis_rules(...)` / `flax.linen.logical_axis_rules`."""
-    return tuple(normalize_rules(rules).items())
+    pairs for `nnx.logical_axis_rules(...)` / `flax.linen.logical_axis_rules`.
+
+    Flax leaves a logical name without a rule in the spec verbatim (it is
+    then taken for a mesh axis), so pass `module` to add `(dim, None)` for
+    every parameter dim the rules do not mention.
+    """
+    r = normalize_rules(rules)
+    if module is not None:
+        for dims in jax.tree.leaves(param_dims(module), is_leaf=lambda x: isinstance(x, tuple)):
+            for d in dims or ():
+                r.setdefault(d, None)
+    return tuple(r.items())
 
 
 def annotate_logical_axes(module: nnx.Module) -> nnx.Module:

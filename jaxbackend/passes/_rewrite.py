@@ -105,6 +105,7 @@ class Rewriter:
         self.new_constvars: list = []
         self.new_consts: list = []
         self.changed = False
+        self.local: dict = {}        # per-walk scratch space for rules (one scope)
 
     # -- for rules ---------------------------------------------------------
     def producer(self, atom):
@@ -191,7 +192,7 @@ class Rewriter:
                 if any(a is not b for a, b in zip(invars, eqn.invars)):
                     eqn = eqn.replace(invars=invars)
             params = eqn.params
-            if any(_has_jaxpr(p) for p in params.values()):
+            if any(has_jaxpr(p) for p in params.values()):
                 new_params = {k: self._sub(p) for k, p in params.items()}
                 if any(new_params[k] is not params[k] for k in params):
                     eqn = eqn.replace(params=new_params)
@@ -222,7 +223,8 @@ class Rewriter:
 _JAXPR_TYPES = (_jax.ClosedJaxpr, _jax.Jaxpr)
 
 
-def _has_jaxpr(p) -> bool:
+def has_jaxpr(p) -> bool:
+    """Does a parameter value hold a (Closed)Jaxpr, directly or in a tuple?"""
     # Fast path: most parameters are ints, dtypes or tuples of ints.
     if isinstance(p, _JAXPR_TYPES):
         return True
@@ -274,6 +276,8 @@ def iter_eqns(closed_or_jaxpr, *, seen=None):
     seen = set() if seen is None else seen
     for eqn in jaxpr.eqns:
         yield eqn
+        if not any(has_jaxpr(p) for p in eqn.params.values()):
+            continue
         for sub in _jax.jaxprs_in_params(eqn.params):
             if id(sub) not in seen:
                 seen.add(id(sub))

@@ -41,37 +41,28 @@ def _atom_key(a):
     return ("litid", id(a))
 
 
-def _make_rule():
-    seen: dict = {}
-
-    def rule(ctx, eqn):
-        if eqn.effects or eqn.primitive.name in _NEVER:
-            return None
-        try:
-            key = (ctx_id(ctx), eqn.primitive, tuple(_atom_key(a) for a in eqn.invars),
-                   tuple(sorted(eqn.params.items())))
-            hash(key)
-        except TypeError:
-            return None
-        first = seen.get(key)
-        if first is None:
-            seen[key] = eqn.outvars
-            return None
-        if any(_jax.is_dropvar(v) for v in first):
-            seen[key] = eqn.outvars  # the first's outputs were dropped: keep this one
-            return None
-        ctx.count("duplicate removed")
-        return list(first)
-
-    return rule
-
-
-def ctx_id(ctx) -> int:
-    # The rule table is shared by all sub-jaxpr walks of one pass; keying by
-    # the walk keeps each sub-jaxpr its own scope.
-    return id(ctx)
+def _rule(ctx, eqn):
+    if eqn.effects or eqn.primitive.name in _NEVER:
+        return None
+    try:
+        key = (eqn.primitive, tuple(_atom_key(a) for a in eqn.invars),
+               tuple(sorted(eqn.params.items())))
+        hash(key)
+    except TypeError:
+        return None
+    # `ctx.local` belongs to one walk of one (sub-)jaxpr: each is its own scope
+    seen = ctx.local.setdefault("cse", {})
+    first = seen.get(key)
+    if first is None:
+        seen[key] = eqn.outvars
+        return None
+    if any(_jax.is_dropvar(v) for v in first):
+        seen[key] = eqn.outvars  # the first's outputs were dropped: keep this one
+        return None
+    ctx.count("duplicate removed")
+    return list(first)
 
 
 def cse(closed):
     """Merge duplicate effect-free equations (see module doc)."""
-    return _rewrite.rewrite(closed, {"*": _make_rule()})
+    return _rewrite.rewrite(closed, {"*": _rule})

@@ -52,7 +52,7 @@ def _dce_params(params, memo, stats):
     new = {}
     changed = False
     for k, p in params.items():
-        q = _dce_value(p, memo, stats)
+        q = _dce_value(p, memo, stats) if _rewrite.has_jaxpr(p) else p
         changed |= q is not p
         new[k] = q
     return new if changed else None

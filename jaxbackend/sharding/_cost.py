@@ -16,7 +16,8 @@ Per op (evaluated once per distinct op, times its multiplicity):
   memory bandwidth for data movement, whichever is larger;
 * operand resharding: an operand sharded on a mesh axis that the op's
   iteration layout does not use on that axis is all-gathered (bytes = the
-  gathered per-device buffer); less sharding than needed is a free slice;
+  gathered per-device buffer), once per variable for all its consumers (as
+  XLA reuses one gather); less sharding than needed is a free slice;
 * reduction: summed dims sharded on mesh axes leave partial sums: a
   reduce-scatter onto axes the result wants (if the backend emits one) and an
   all-reduce over the rest (this is where data-parallel gradient reductions
@@ -52,6 +53,7 @@ class CostModel:
         self.var_keys = [tuple(g.class_key[c] for c in cs) for cs in g.var_classes]
         # Distinct ops (layers repeat): signature -> [op, total multiplicity].
         sigs: dict = {}
+        consumers: dict = {}   # var -> [(distinct op, operand position)], and its mult
         for op in g.ops:
             if op.mult == 0:
                 continue
@@ -62,10 +64,22 @@ class CostModel:
             if sig in sigs:
                 sigs[sig][1] += op.mult
             else:
-                sigs[sig] = [sig, op.mult]
-        self.sigs = list(sigs.values())
-        self.sig_keys = [sorted({k for k in sig[2]} | {k for t in sig[3] + sig[4] for k in t[0]})
-                         for sig, _ in self.sigs]
+                sigs[sig] = [sig, op.mult, len(sigs)]
+            for j, (v, _) in enumerate(op.ins):
+                c = consumers.setdefault(v, [[], op.mult])
+                c[0].append((sigs[sig][2], j))
+                c[1] = min(c[1], op.mult)
+        self.sigs = [(sig, mult) for sig, mult, _ in sigs.values()]
+        # Operand all-gathers are charged per variable, not per use: XLA
+        # gathers a tensor once for all ops needing the same (or a subset)
+        # layout (e.g. FSDP: one gather of a weight serves forward and
+        # backward). Variables with the same layout keys, size and consumers
+        # are one group.
+        groups: dict = {}
+        for v, (uses, mult) in consumers.items():
+            gk = (self.var_keys[v], self.g.nbytes(v), tuple(sorted(set(uses))))
+            groups[gk] = groups.get(gk, 0.0) + mult
+        self.gather_groups = list(groups.items())
         self._memory_setup()
 
     # -- layouts ---------------------------------------------------------------
@@ -98,22 +112,46 @@ class CostModel:
 
     # -- one distinct op under N plans -------------------------------------------
     def op_cost(self, sig, masks, detail=False):
+        """(time without operand gathers, details, per-operand gather masks).
+        The iteration layout is chosen with the gathers counted."""
         kind, isizes, ikeys, ins, outs, reduced, flops = sig
         orders = [list(range(len(isizes)))]
-        if kind == "contract":
+        if kind in ("contract", "reduce"):
             for _, _, amap in ins:
                 first = [i for i in amap if i >= 0]
                 orders.append(first + [i for i in orders[0] if i not in first])
         best = None
         for order in orders:
-            res = self._strategy(sig, masks, order, detail)
+            t, tg, d, ex = self._strategy(sig, masks, order, detail)
             if best is None:
-                best = res
-            else:
-                better = res[0] < best[0]
-                best = (np.where(better, res[0], best[0]),
-                        {k: np.where(better, res[1][k], best[1][k]) for k in best[1]})
-        return best
+                best = (t, tg, d, ex)
+                continue
+            better = t + tg < best[0] + best[1]
+            best = (np.where(better, t, best[0]), np.where(better, tg, best[1]),
+                    {k: np.where(better, d[k], best[2][k]) for k in best[2]},
+                    [np.where(better, a, b) for a, b in zip(ex, best[3])])
+        return best[0], best[2], best[3]
+
+    def gather_cost(self, keys, nb, gmask, masks):
+        """One all-gather of a tensor over the mesh axes `gmask`: (time, bytes)."""
+        shard_after = 1.0
+        for m in self._layout(keys, masks):
+            shard_after = shard_after * self.mesh.group_size[m & ~gmask]
+        full = nb / shard_after
+        return self._coll("all-gather", gmask, full), np.where(gmask > 0, full, 0.0)
+
+    def _gathers(self, extras, masks, detail):
+        t, b, n = 0.0, 0.0, 0.0
+        for (keys, nb, uses), mult in self.gather_groups:
+            gm = 0
+            for i, j in uses:
+                gm = gm | extras[i][j]
+            if np.any(gm):
+                tt, bb = self.gather_cost(keys, nb, gm, masks)
+                t = t + mult * tt
+                if detail:
+                    b, n = b + mult * bb, n + mult * (bb > 0)
+        return t, b, n
 
     def _strategy(self, sig, masks, order, detail):
         kind, isizes, ikeys, ins, outs, reduced, flops = sig
@@ -127,23 +165,17 @@ class CostModel:
         zero = np.zeros(np.shape(masks[0]) if self.n_keys else ())
         comm = {k: zero for k in KINDS} if detail else None
         nbytes = {k: zero for k in KINDS} if detail else None
-        t = zero
+        t = t_in = zero
         io_bytes = 0.0
-        for keys, nb, amap in ins:   # operand resharding
-            have = self._layout(keys, masks)
-            gather, shard_after = 0, 1.0
-            for a, m in enumerate(have):
+        extras = []
+        for keys, nb, amap in ins:   # operand resharding (charged per variable)
+            gather = 0
+            for a, m in enumerate(self._layout(keys, masks)):
                 need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
-                extra = m & ~need
-                gather = gather | extra
-                shard_after = shard_after * self.mesh.group_size[m & ~extra]
-            full = nb / shard_after
-            tt = self._coll("all-gather", gather, full)
-            t = t + tt
+                gather = gather | (m & ~need)
+            t_in = t_in + self.gather_cost(keys, nb, gather, masks)[0]
+            extras.append(gather)
             io_bytes += nb
-            if detail:
-                comm["all-gather"] = comm["all-gather"] + tt
-                nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
         ishard = self._shard(imask)
         out_keys, out_nb, omap = outs[0]
         io_bytes += out_nb
@@ -184,10 +216,10 @@ class CostModel:
         if detail:
             comm["all-gather"] = comm["all-gather"] + tg
             nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
-            return t + compute, dict(compute=compute + zero, **{f"t:{k}": comm[k] for k in KINDS},
-                                      **{f"b:{k}": nbytes[k] for k in KINDS},
-                                      **{f"n:{k}": (nbytes[k] > 0) * 1.0 for k in KINDS})
-        return t + compute, {}
+            return t + compute, t_in, dict(compute=compute + zero, **{f"t:{k}": comm[k] for k in KINDS},
+                                           **{f"b:{k}": nbytes[k] for k in KINDS},
+                                           **{f"n:{k}": (nbytes[k] > 0) * 1.0 for k in KINDS}), extras
+        return t + compute, t_in, {}, extras
 
     # -- memory --------------------------------------------------------------
     def _memory_setup(self):
@@ -233,10 +265,16 @@ class CostModel:
                 i += 1
             pts.append(count.copy())
         rows = np.array(pts) if pts else np.zeros((1, len(groups)))
-        # Keep only points not dominated by another (a peak is at one of them).
+        # Keep only points not dominated by another (a peak is at one of
+        # them); checking against the kept rows only, largest first, keeps
+        # this near-linear (few rows survive).
         rows = np.unique(rows, axis=0)
-        keep = [r for r in rows if not any((o >= r).all() and (o > r).any() for o in rows)]
-        self.mem_points = np.array(keep) if keep else np.zeros((1, len(groups)))
+        rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
+        keep = np.zeros((0, len(groups)))
+        for r in rows:
+            if not (keep >= r).all(axis=1).any():
+                keep = np.vstack([keep, r])
+        self.mem_points = keep if len(keep) else np.zeros((1, len(groups)))
         self.n_points = n_ops
 
     def memory(self, masks):
@@ -258,11 +296,17 @@ class CostModel:
         masks = [np.asarray(m) for m in masks]
         total = 0.0
         acc: dict = {}
+        extras = []
         for sig, mult in self.sigs:
-            t, d = self.op_cost(sig, masks, detail=True)
+            t, d, ex = self.op_cost(sig, masks, detail=True)
+            extras.append(ex)
             total = total + mult * t
             for k, v in d.items():
                 acc[k] = acc.get(k, 0.0) + (mult * v)
+        tg, bg, ng = self._gathers(extras, masks, True)
+        total = total + tg
+        for k, v in (("t:all-gather", tg), ("b:all-gather", bg), ("n:all-gather", ng)):
+            acc[k] = acc.get(k, 0.0) + v
         fixed, temp = self.memory(masks)
         out = {"time": float(total), "compute": float(acc.get("compute", 0.0)),
                "memory": float(fixed + temp), "memory_fixed": float(fixed), "memory_temp": float(temp)}

@@ -320,6 +320,11 @@ def _scan(g, eqn, ins, mult):
             g.itemsize[w] = g.itemsize[v]
             for a in range(len(g.shapes[w])):
                 g.union(v, a + 1, w, a)
+            # Slicing iteration i needs the stacked axis whole on every
+            # device: a layer axis sharded over devices costs an all-gather.
+            n = len(g.shapes[w])
+            g.ops.append(Op("map", mult, g.shapes[w], [(w, a) for a in range(n)],
+                            ((v, (REPLICATED,) + tuple(range(n))),), ((w, tuple(range(n))),), (), 0.0))
             inner_ins.append(w)
             g.uses[v] = len(g.ops)
     outs = _inline(g, body, (), inner_ins, mult * length)

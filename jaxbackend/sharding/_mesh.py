@@ -47,8 +47,8 @@ def cpu_profile(memory: float | None = None) -> HardwareProfile:
     """This class of machine: host 'devices' share one memory system."""
     return HardwareProfile(
         name="cpu", peak_flops=5e10, mem_bandwidth=1e10, memory=memory or 24 * GiB,
-        devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=2e-5,
-        inter_bandwidth=5e9, inter_latency=2e-5, reduce_scatter=False)
+        devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=1e-6,
+        inter_bandwidth=5e9, inter_latency=1e-6, reduce_scatter=False)
 
 
 def h100_profile() -> HardwareProfile:

@@ -119,7 +119,7 @@ class Plan:
             return outs if s is None else [jax.lax.with_sharding_constraint(outs[0], s)]
 
         def run(*flat):
-            return _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, flat, hook)
+            return tuple(_jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, flat, hook))
         return run
 
     def jit(self):

@@ -65,9 +65,12 @@ def time_grid(cm, keys, options):
                          f"with fewer axes.")
     masks = _grid_masks(cm, keys, options)
     total = np.zeros(shape)
+    extras = []
     for sig, mult in cm.sigs:
-        t, _ = cm.op_cost(sig, masks)
+        t, _, ex = cm.op_cost(sig, masks)
+        extras.append(ex)
         total += mult * t
+    total += cm._gathers(extras, masks, False)[0]
     return total
 
 

@@ -77,6 +77,7 @@ def test_size_conflict_in_dot_names_operands():
     ("mean", lambda: X.mean(dim=("batch", "time"))),
     ("dot", lambda: nx.dot(X, X, dim="time")),
     ("softmax", lambda: nx.softmax(X, "time")),
+    ("einsum", lambda: nx.einsum(X, X, out=("time",))),
     ("log_softmax", lambda: nx.log_softmax(X, "time")),
     ("logsumexp", lambda: nx.logsumexp(X, "time")),
     ("transpose", lambda: X.transpose("time", ...)),

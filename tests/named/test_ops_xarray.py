@@ -244,8 +244,8 @@ def test_binary_broadcasts_by_name(name, sizes, rng, data):
         assert_same(DUNDER[name](a, b), want, check_order=True)
 
 
-@FEW
-@given(sizes=sizes_st(), dims=dims_st(), rng=rng_st(), s=st.floats(0.5, 3.0))
+@settings(max_examples=6, deadline=None)
+@given(sizes=sizes_st(hi=3), dims=dims_st(), rng=rng_st(), s=st.floats(0.5, 3.0))
 def test_scalar_operands(sizes, dims, rng, s):
     x, xa = pair(rng, dims, sizes)
     for fn in (operator.add, operator.sub, operator.mul, operator.truediv, operator.lt):
@@ -302,8 +302,8 @@ def _softmax_ref(xa, dim, fn):
     return xr.DataArray(fn(xa.values, axis=xa.get_axis_num(dim)), dims=xa.dims)
 
 
-@FEW
-@given(sizes=sizes_st(), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
+@settings(max_examples=6, deadline=None)
+@given(sizes=sizes_st(hi=3), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
 def test_softmax_family(sizes, dims, rng, data):
     x, xa = pair(rng, dims, sizes)
     x, xa = x * 30, xa * 30  # large logits: only the stable formula survives
@@ -350,6 +350,25 @@ def test_dot(sizes, rng, data, n, dtype):
     assert_same(arrays[0].dot(*arrays[1:], dim=dim), want, rtol=1e-4, atol=1e-4)
     if n == 2:
         assert_same(arrays[0] @ arrays[1], refs[0] @ refs[1], rtol=1e-4, atol=1e-4)
+
+
+@SOME
+@given(sizes=sizes_st(), rng=rng_st(), data=st.data(), n=st.integers(1, 3))
+def test_einsum_contracts_every_dim_not_in_out(sizes, rng, data, n):
+    arrays, refs = [], []
+    for _ in range(n):
+        a, aa = pair(rng, data.draw(dims_st(min_size=1, max_size=3)), sizes)
+        arrays.append(a)
+        refs.append(aa)
+    union = sorted({d for a in arrays for d in a.dims})
+    out = tuple(data.draw(st.permutations(union))[:data.draw(st.integers(0, len(union)))])
+    want = xr.dot(*refs, dim=[d for d in union if d not in out]).transpose(*out)
+    got = nx.einsum(*arrays, out=out)
+    assert_same(got, want, check_order=True, rtol=1e-4, atol=1e-4)
+    if n > 1:  # the last contraction is one einsum equation that yields `out`
+        jaxpr = jax.make_jaxpr(lambda *a: nx.einsum(*a, out=out))(*arrays).jaxpr
+        assert jaxpr.eqns[-1].primitive is nx.einsum_p
+        assert jaxpr.eqns[-1].params["out_dims"] == out
 
 
 def test_dot_bfloat16_matches_float32_reference():

@@ -173,7 +173,7 @@ def test_rules_become_param_shardings_and_flax_logical_rules():
     assert specs["norm1"]["scale"] == P(None)
     # The same specs through Flax's own logical-axis machinery.
     nn.annotate_logical_axes(block)
-    with nnx.logical_axis_rules(nn.flax_logical_axis_rules(rules)):
+    with nnx.logical_axis_rules(nn.flax_logical_axis_rules(rules, block)):
         flax_specs = nnx.get_partition_spec(nnx.state(block))
     mine = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     theirs = jax.tree.leaves(flax_specs, is_leaf=lambda s: isinstance(s, P))
@@ -182,7 +182,7 @@ def test_rules_become_param_shardings_and_flax_logical_rules():
     placed = jax.device_put(nnx.state(block), nn.shardings(block, rules, mesh))
     q = placed["attn"]["query"]["kernel"][...]
     assert q.sharding.spec == P(None, "model", None) and q.addressable_shards[0].data.shape == (16, 1, 4)
-    bad = nn.TransformerBlock(16, 2, mlp_hidden=30, rngs=nnx.Rngs(0))
+    bad = nn.TransformerBlock(16, 4, mlp_hidden=30, rngs=nnx.Rngs(0))
     with pytest.raises(nx.DimError, match="dim 'mlp'.*size 30"):
         nn.shardings(bad, rules, mesh)
 

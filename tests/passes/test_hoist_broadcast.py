@@ -15,7 +15,7 @@ def _hoist(closed):
 
 def test_hoist_xsa_expand_forward_grad_idempotent_and_counted():
     flat = passes.inline_calls(jax.make_jaxpr(P.xsa_loss)(*P.xsa_args()))
-    assert remaining(flat) >= 3           # mul, reduce_sum, sqrt, div on copies
+    assert remaining(flat) >= 1           # mul(vb, vb) on the copies; the rest chain
     fwd, grad = P.check_pass(_hoist, P.xsa_loss, P.xsa_args())
     assert remaining(fwd) == 0 and remaining(grad) == 0
 
@@ -40,5 +40,8 @@ def test_hoist_leaves_reductions_over_created_axes_alone():
         b = jnp.broadcast_to(x[:, None], (3, 5))
         return jnp.sum(b, axis=1)          # sums the 5 copies: not hoistable
 
-    closed = jax.make_jaxpr(f)(jnp.arange(3.0))
-    assert passes.hoist_broadcast(closed) is closed
+    x = jnp.arange(3.0)
+    out = passes.hoist_broadcast(jax.make_jaxpr(f)(x))
+    (red,) = [e for e in out.jaxpr.eqns if e.primitive.name == "reduce_sum"]
+    assert red.invars[0].aval.shape == (3, 5)    # still sums the copies
+    assert jnp.allclose(jax.core.eval_jaxpr(out.jaxpr, out.consts, x)[0], f(x))

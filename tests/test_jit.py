@@ -1,0 +1,116 @@
+"""`jaxbackend.jit`: mirrors jax.jit, runs the passes, never retraces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbackend as jb
+from jaxbackend import named as nx
+from jaxbackend.models._attention_stack import init_attention_stack, name_params, named_attention_stack
+from jaxbackend.passes import _rewrite
+
+
+def _stack(n_layers=1):
+    x, layers = init_attention_stack(jax.random.key(0), n_layers, batch=2, time=4, embd=8, head=2, hd=4)
+    return name_params(x, layers)
+
+
+def _loss(x, layers):
+    return named_attention_stack(x, layers)[0]
+
+
+def _close(a, b, tol=1e-4):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
+
+
+def test_jit_matches_jax_and_runs_the_pipeline():
+    x, layers = _stack()
+    f = jb.jit(_loss)
+    _close(f(x, layers), jax.jit(_loss)(x, layers))
+    stats = {s.name: s for s in f.last_report.stats}
+    assert stats["inline"].matches["einsum->dot_general"] > 0
+    text = f.lower(x, layers).as_text()
+    assert "einsum" not in text and "dot_general" in text
+
+
+def test_same_shapes_never_retrace_new_shapes_dtypes_and_statics_trace_once():
+    traces = []
+
+    def f(x, y, scale):
+        traces.append(1)
+        return jnp.sum(jnp.tanh(x) * y) * scale
+
+    g = jb.jit(f, static_argnums=2)
+    a, b = jnp.ones((2, 3)), jnp.ones((2, 3))
+    for _ in range(3):
+        g(a, b, 2.0)
+    assert len(traces) == 1 and g.trace_count == 1
+    g(a * 2, b, 2.0)                          # new values, same shapes: no trace
+    assert len(traces) == 1
+    g(jnp.ones((4, 3)), jnp.ones((4, 3)), 2.0)   # new shape
+    g(a.astype(jnp.bfloat16), b, 2.0)            # new dtype
+    g(a, b, 3.0)                                 # new static arg
+    assert g.trace_count == 4
+    for _ in range(3):
+        g(jnp.ones((4, 3)), jnp.ones((4, 3)), 2.0)
+        g(a, b, 3.0)
+    assert g.trace_count == 4 and len(traces) == 4
+
+
+def test_value_and_grad_of_jit_and_jit_of_value_and_grad():
+    x, layers = _stack(2)
+    ref_v, ref_g = jax.value_and_grad(_loss, argnums=1)(x, layers)
+    v1, g1 = jb.jit(jax.value_and_grad(_loss, argnums=1))(x, layers)
+    v2, g2 = jax.value_and_grad(jb.jit(_loss), argnums=1)(x, layers)
+    _close(v1, ref_v)
+    _close(v2, ref_v)
+    _close(g1, ref_g)
+    _close(g2, ref_g)
+
+
+def test_lower_compile_cost_analysis_and_trace_report():
+    x, layers = _stack()
+    f = jb.jit(jax.value_and_grad(_loss, argnums=1))
+    lowered = f.lower(x, layers)
+    compiled = lowered.compile()
+    assert compiled.cost_analysis()["flops"] > 0
+    assert "HloModule" in compiled.as_text()
+    t = f.trace(x, layers)
+    assert [n for n, _ in t.jaxprs] == ["input"] + list(jb.passes.DEFAULT_PIPELINE)
+    assert _rewrite.count_eqns(t.before, "einsum") > 0 and _rewrite.count_eqns(t.after, "einsum") == 0
+    assert t.jaxpr_after("cse") is t.jaxprs[4][1]
+    screen = str(t)
+    assert len(screen.splitlines()) <= 24 and "einsum->dot_general" in screen
+
+
+def test_kwargs_static_argnames_donation_and_explicit_passes():
+    def f(x, *, n, bias):
+        return jnp.exp(x) * n + bias
+
+    g = jb.jit(f, static_argnames="n", donate_argnums=0, passes=("cse", "dce"))
+    x = jnp.arange(4.0)
+    out = g(jnp.arange(4.0), n=3, bias=jnp.ones(4))
+    _close(out, f(x, n=3, bias=jnp.ones(4)))
+    assert [s.name for s in g.last_report.stats] == ["cse", "dce"]
+    with pytest.raises(ValueError, match="unknown pass"):
+        jb.jit(f, passes=("nope",))
+
+
+def test_transform_hook_runs_after_the_pipeline():
+    seen = []
+
+    def hook(closed):
+        seen.append(_rewrite.count_eqns(closed, "einsum"))
+        return closed
+
+    x, layers = _stack()
+    jb.jit(_loss, _transform=hook)(x, layers)
+    assert seen == [0]
+
+
+def test_named_outputs_and_pytrees_round_trip():
+    x, layers = _stack()
+    out = jb.jit(lambda x, l: named_attention_stack(x, l)[1])(x, layers)
+    assert isinstance(out, nx.NamedArray) and out.dims == ("batch", "time", "embd")
