@@ -14,7 +14,7 @@ counted). Targets (issue 3): per-equation time at every depth within 1.5x of
 the 1-layer value; pipeline on 32 layers <= 10% of XLA's compile time of the
 same (rewritten) program, measured in the same run.
 
-Run: python benchmarks/pass_scaling.py [--quick]  (--quick: 1..4 layers, no BENCHMARKS.md)
+Run: python benchmarks/pass_scaling.py [--quick]  (--quick: 1-2 layers, no BENCHMARKS.md)
 """
 
 from __future__ import annotations
@@ -95,10 +95,10 @@ def render(rows, compile_at):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1..4 layers; does not write BENCHMARKS.md")
+    ap.add_argument("--quick", action="store_true", help="1-2 layers; does not write BENCHMARKS.md")
     args = ap.parse_args(argv)
-    depths = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16, 32, 64)
-    compile_at = 4 if args.quick else 32
+    depths = (1, 2) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    compile_at = 2 if args.quick else 32
     passes.run_pipeline(traced(1)[0])  # import-time and first-call costs out of the way
     rows = [measure(n, 3 if args.quick else 5, n == compile_at) for n in depths]
     body = render(rows, compile_at)

@@ -11,6 +11,7 @@ import sys
 
 COMMANDS = {
     "demo": ("jaxbackend._demo", "named multi-layer attention: jaxpr with named einsums, checked against jnp"),
+    "explain": ("jaxbackend._explain", "run the pass pipeline on script.py:function (its example_inputs()) and print the report"),
     "train": ("jaxbackend.train._cli", "train a char-level GPT on the stdlib source: checkpoints, --resume, loss PNG, sample"),
 }
 

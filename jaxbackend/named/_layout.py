@@ -4,6 +4,8 @@ concat, stack (merge dims) and unstack (split a dim).
 Each emits what the jnp spelling would: basic indexing for ints and slices,
 a gather for integer-array indexers, `transpose` only when the order changes,
 `reshape` for merge/split. `rename` emits nothing: names are static data.
+Vectorised `isel` (NamedArray indexers) follows numpy's rule: indexers on
+adjacent axes put their dims in place (as xarray), otherwise first.
 
 Result orders follow xarray where that costs nothing, and keep the existing
 order where xarray's would force a copy: `stack` merges adjacent, in-order
@@ -70,9 +72,10 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
 
 
 def _vectorised(x: NamedArray, named: dict) -> NamedArray:
-    # numpy's rule, which xarray follows: indexers on adjacent axes put the
-    # indexer dims in place of those axes (no transpose needed); otherwise
-    # the indexed axes go first.
+    # One jnp advanced-indexing step, so numpy's rule places the indexer
+    # dims: in place of the indexed axes when those are adjacent (xarray
+    # agrees), else first (xarray would put them where the first indexed
+    # axis was, at the price of a transpose; names make the order moot).
     rest = [d for d in x.dims if d not in named]
     idims, ivals = align("isel", *named.values())
     clash = set(idims) & set(rest)
@@ -81,16 +84,15 @@ def _vectorised(x: NamedArray, named: dict) -> NamedArray:
             f"isel: indexer dims {_errors.fmt_dims(sorted(clash))} are also dims of the array "
             f"that are not being indexed; rename the indexer's dims."
         )
+    key = [slice(None)] * x.ndim
+    for d, v in zip(named, ivals):
+        key[x.dims.index(d)] = v
     ks = sorted(x.dims.index(d) for d in named)
     if ks == list(range(ks[0], ks[0] + len(ks))):
-        key = [slice(None)] * x.ndim
-        for d, v in zip(named, ivals):
-            key[x.dims.index(d)] = v
         dims = x.dims[:ks[0]] + idims + x.dims[ks[-1] + 1:]
-        return NamedArray(x.values[tuple(key)], dims)
-    moved = x.transpose(*named, *rest)
-    vals = moved.values[tuple(ivals)]
-    return NamedArray(vals, idims + tuple(rest))
+    else:
+        dims = idims + tuple(rest)
+    return NamedArray(x.values[tuple(key)], dims)
 
 
 def rename(x: NamedArray, mapping=None, **kwargs) -> NamedArray:

@@ -1,5 +1,6 @@
 """Math on NamedArrays: construction, broadcasting by name, reductions,
-softmax family, `where`, and `dot` (the only op that binds `einsum`).
+softmax family, `where`, and the contractions `dot` and `einsum` (the only
+ops that bind the `einsum` primitive).
 
 Broadcasting follows xarray: the result's dims are the outer union of the
 operands' dims in order of first appearance; a name means one size (no
@@ -8,12 +9,17 @@ to that order the way a hand-written jnp program would: a `transpose` only if
 its own dims are out of order, a rank-expanding `broadcast_in_dim` (size-1
 axes) only if it lacks dims that are not leading ones (trailing-aligned
 operands are left to numpy-style rank broadcasting), then the jnp/lax op
-itself, which broadcasts the size-1 axes. So a named program emits the same primitives as its jnp twin.
+itself, which broadcasts the size-1 axes. So a named program emits the same
+primitives as its jnp twin.
 
 `dot` returns dot_general's natural dim order (batch dims, then the first
 operand's free dims, then the second's), so a contraction never needs a
 `transpose` when lowered. Names make the order immaterial; `transpose`
-gives any other.
+gives any other, and `einsum(..., out=dims)` asks for one up front.
+
+Every op checks that the leaf's rank matches the dims before reading axes
+(`NamedArray.check_rank`): a NamedArray whose values lost an axis to
+`jax.vmap` would otherwise be read with shifted axes, a silent wrong answer.
 """
 
 from __future__ import annotations

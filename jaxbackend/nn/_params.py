@@ -82,6 +82,8 @@ def normalize_rules(rules) -> dict:
         dim, axis = item
         if isinstance(axis, list):
             axis = tuple(axis)
+        if isinstance(axis, tuple) and len(axis) <= 1:  # () = replicated, ("x",) = "x"
+            axis = axis[0] if axis else None
         out[dim] = axis
     return out
 

@@ -16,9 +16,11 @@ equation list, `period` equations each, such that
 3. each block feeds the next (at least one carry), so unrelated look-alike
    equations (three parallel projections) do not become a loop.
 
-Anything else (a value used two blocks later, a block that reads its
-neighbour's weight, a block whose literal differs, a block with a different
-width) breaks the run at that block; a run needs `min_repeats` blocks.
+A block whose literal, parameter, width or data flow differs ends the run
+there (a run needs `min_repeats` blocks). A value read two or more blocks
+after it is made (a skip connection across layers) rejects the whole region:
+such a chain is not a simple loop, and rolling pieces of it would be a loop
+in name only.
 
 Linear time: equations are hashed once into interned integer signatures
 (parameters canonicalised, sub-jaxprs printed once per distinct object); the
@@ -229,8 +231,9 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
         # template: block s+1 relative to block s
         tmpl = [[_desc(g, v, s + 1, s, start, period) for v in eq(s + 1, r).invars]
                 for r in range(period)]
-        if any(d[0] == "bad" for row in tmpl for d in row) or not any(
-                d[0] == "car" for row in tmpl for d in row):
+        if any(d[0] == "bad" for row in tmpl for d in row):
+            return []   # a value skips a block (a skip connection): not a simple chain
+        if not any(d[0] == "car" for row in tmpl for d in row):
             s += 1
             continue
         # block s: carried operands must come from outside, one var per carry
@@ -246,9 +249,13 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
             s += 1
             continue
         j = s + 2
-        while j < nblocks and all(_matches(t, _desc(g, v, j, s, start, period))
-                                  for r in range(period)
-                                  for t, v in zip(tmpl[r], eq(j, r).invars)):
+        while j < nblocks:
+            descs = [(t, _desc(g, v, j, s, start, period))
+                     for r in range(period) for t, v in zip(tmpl[r], eq(j, r).invars)]
+            if any(d[0] == "bad" for _, d in descs):
+                return []
+            if not all(_matches(t, d) for t, d in descs):
+                break
             j += 1
         if j - s >= min_repeats:
             runs.append(_make_run(g, start + s * period, period, j - s, tmpl, init))

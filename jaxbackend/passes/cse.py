@@ -41,7 +41,8 @@ def _atom_key(a):
     return ("litid", id(a))
 
 
-def _rule(ctx, eqn):
+def _key(eqn):
+    """Hashable identity of what an equation computes, or None."""
     if eqn.effects or eqn.primitive.name in _NEVER:
         return None
     try:
@@ -49,6 +50,13 @@ def _rule(ctx, eqn):
                tuple(sorted(eqn.params.items())))
         hash(key)
     except TypeError:
+        return None
+    return key
+
+
+def _rule(ctx, eqn):
+    key = _key(eqn)
+    if key is None:
         return None
     # `ctx.local` belongs to one walk of one (sub-)jaxpr: each is its own scope
     seen = ctx.local.setdefault("cse", {})
@@ -66,3 +74,20 @@ def _rule(ctx, eqn):
 def cse(closed):
     """Merge duplicate effect-free equations (see module doc)."""
     return _rewrite.rewrite(closed, {"*": _rule})
+
+
+def remaining(closed) -> int:
+    """Duplicate equations left (same key as an earlier one in its jaxpr)."""
+    from jaxbackend import _jax as jx
+
+    n = 0
+    jaxprs = [closed.jaxpr] + [s for e in _rewrite.iter_eqns(closed)
+                               for s in jx.jaxprs_in_params(e.params)]
+    for jaxpr in jaxprs:
+        seen = set()
+        for eqn in jaxpr.eqns:
+            key = _key(eqn)
+            if key is not None and not any(jx.is_dropvar(v) for v in eqn.outvars):
+                n += key in seen
+                seen.add(key)
+    return n

@@ -14,10 +14,17 @@ rules (one walk, each sees earlier rewrites, so whole chains move up):
   the op on the operands with C removed, then broadcast the result to S;
 * reduction over axes that are all real (non-created) axes of its broadcast
   operand: reduce x, then broadcast to the reduced shape;
-* broadcast of a broadcast: one broadcast (so the chain stays visible).
+* broadcast of a broadcast: one broadcast (so the chain stays visible);
+* `reduce_sum` over axes along which factors of its (linear) operand are
+  constant: the sum moves inside the product (`_sink_sum`). This is the
+  backward of the above: AD transposes a broadcast into a sum over its
+  created axes, applied to cotangent * broadcast coefficients; summing the
+  cotangent first keeps the expand form's backward at KV-head size too.
 
 Invariant established: no elementwise op or reduction above reads only
-broadcasts that share a created axis of size > 1 (`remaining(closed) == 0`).
+broadcasts that share a created axis of size > 1 (`remaining(closed) == 0`);
+sum sinking is opportunistic (a bounded look-back of `_sink_sum.MAX_NODES`
+producers per sum) and is not part of the counted invariant.
 
 Leaves alone: ops with any operand that is not a broadcast or a scalar
 (e.g. `y * v_hat` where y is real data), reductions that touch a created
@@ -31,7 +38,7 @@ from __future__ import annotations
 from jax import lax
 
 from jaxbackend import _jax
-from jaxbackend.passes import _rewrite
+from jaxbackend.passes import _rewrite, _sink_sum
 
 ELEMENTWISE = frozenset("""
 neg exp exp2 log log1p expm1 sqrt rsqrt cbrt tanh logistic sin cos tan asin acos atan
@@ -115,6 +122,16 @@ def _elementwise_rule(ctx, eqn):
 
 
 def _reduction_rule(ctx, eqn):
+    out = _hoist_reduction(ctx, eqn)
+    if out is None and eqn.primitive.name == "reduce_sum":
+        node = _sink_sum.plan(ctx.producer, eqn.invars[0], tuple(int(a) for a in eqn.params["axes"]))
+        if node is not None:
+            ctx.count("sum sunk past broadcast factors")
+            out = [_sink_sum.emit(ctx, node)]
+    return out
+
+
+def _hoist_reduction(ctx, eqn):
     x, dims, s = _source(ctx.producer, eqn.invars[0])
     if x is eqn.invars[0]:
         return None

@@ -22,9 +22,11 @@ Per op (evaluated once per distinct op, times its multiplicity):
   reduce-scatter onto axes the result wants (if the backend emits one) and an
   all-reduce over the rest (this is where data-parallel gradient reductions
   of replicated weights come from);
-* contractions try three iteration layouts (result dims first, or either
-  operand's dims first) and keep the cheapest, as XLA's SPMD partitioner
-  chooses between gathering an operand and reducing a partial result.
+* contractions try three iteration layouts (either operand's dims first,
+  or the result's) and keep the cheapest, as XLA's SPMD partitioner chooses
+  between gathering an operand and reducing a partial result; like XLA, an
+  alternative to keeping operands in place must be >10% cheaper to win.
+  Reductions always reduce in place (XLA never gathers a reduce's operand).
 
 Collectives use the alpha-beta ring formulas on the group's slowest link:
 all-reduce 2(n-1)/n S/B + 2(n-1)a, all-gather / reduce-scatter / all-to-all
@@ -32,8 +34,9 @@ all-reduce 2(n-1)/n S/B + 2(n-1)a, all-gather / reduce-scatter / all-to-all
 
 Memory per device: arguments + results + the peak over program order of live
 intermediates that XLA materialises (outputs of contractions, reductions and
-of elementwise chains that feed one); elementwise temporaries consumed only
-by elementwise ops are assumed fused.
+of elementwise chains that feed one; elementwise temporaries consumed only
+by elementwise ops are assumed fused) + gathered copies (all gathered
+weights, which live from forward to backward, and the largest other one).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import numpy as np
 from jaxbackend.sharding._graph import REPLICATED, UNMAPPED
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+PREFER_IN_PLACE = 0.9
+FUSE_WINDOW = 10**9
 
 
 class CostModel:
@@ -76,10 +81,14 @@ class CostModel:
         # backward). Variables with the same layout keys, size and consumers
         # are one group.
         groups: dict = {}
+        inputs = set(g.invars)
         for v, (uses, mult) in consumers.items():
-            gk = (self.var_keys[v], self.g.nbytes(v), tuple(sorted(set(uses))))
-            groups[gk] = groups.get(gk, 0.0) + mult
-        self.gather_groups = list(groups.items())
+            gk = (self.var_keys[v], self.g.nbytes(v), tuple(sorted(set(uses))), v in inputs)
+            c = groups.setdefault(gk, [0.0, 0])
+            c[0] += mult
+            c[1] += 1
+        self.gather_groups = [(gk, m) for gk, (m, _) in groups.items()]
+        self.gather_counts = [n for _, n in groups.values()]
         self._memory_setup()
 
     # -- layouts ---------------------------------------------------------------
@@ -115,18 +124,23 @@ class CostModel:
         """(time without operand gathers, details, per-operand gather masks).
         The iteration layout is chosen with the gathers counted."""
         kind, isizes, ikeys, ins, outs, reduced, flops = sig
-        orders = [list(range(len(isizes)))]
+        natural = list(range(len(isizes)))
+        orders = []
         if kind in ("contract", "reduce"):
-            for _, _, amap in ins:
+            for _, _, amap in ins[:1] if kind == "reduce" else ins:
                 first = [i for i in amap if i >= 0]
-                orders.append(first + [i for i in orders[0] if i not in first])
+                orders.append(first + [i for i in natural if i not in first])
+        if kind != "reduce":
+            orders.append(natural)
         best = None
         for order in orders:
             t, tg, d, ex = self._strategy(sig, masks, order, detail)
             if best is None:
                 best = (t, tg, d, ex)
                 continue
-            better = t + tg < best[0] + best[1]
+            # Like XLA's partitioner, keep operands in place (partial sums,
+            # then a reduction) unless moving them is clearly cheaper.
+            better = t + tg < PREFER_IN_PLACE * (best[0] + best[1])
             best = (np.where(better, t, best[0]), np.where(better, tg, best[1]),
                     {k: np.where(better, d[k], best[2][k]) for k in best[2]},
                     [np.where(better, a, b) for a, b in zip(ex, best[3])])
@@ -142,7 +156,7 @@ class CostModel:
 
     def _gathers(self, extras, masks, detail):
         t, b, n = 0.0, 0.0, 0.0
-        for (keys, nb, uses), mult in self.gather_groups:
+        for (keys, nb, uses, _), mult in self.gather_groups:
             gm = 0
             for i, j in uses:
                 gm = gm | extras[i][j]
@@ -237,7 +251,8 @@ class CostModel:
         for i, op in enumerate(g.ops):
             if op.kind == "map":
                 for v, _ in op.outs:
-                    if all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars:
+                    if (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
+                            and g.uses[v] - i <= FUSE_WINDOW):
                         fused.add(v)
         groups: dict = {}
         self.fixed_groups = []   # (keys, nbytes, count) of arguments + results
@@ -277,18 +292,42 @@ class CostModel:
         self.mem_points = keep if len(keep) else np.zeros((1, len(groups)))
         self.n_points = n_ops
 
-    def memory(self, masks):
+    def extras(self, masks):
+        """Per distinct op, per operand: the mesh axes it is gathered over."""
+        return [self.op_cost(sig, masks)[2] for sig, _ in self.sigs]
+
+    def gathered_memory(self, masks, extras):
+        """Gathered copies: weights' stay live from forward to backward (one
+        gather serves both), other gathers are short-lived (the largest)."""
+        weights, other = 0.0, 0.0
+        for ((keys, nb, uses, is_input), _), count in zip(self.gather_groups, self.gather_counts):
+            gm = 0
+            for i, j in uses:
+                gm = gm | extras[i][j]
+            if not np.any(gm):
+                continue
+            _, full = self.gather_cost(keys, nb, gm, masks)
+            if is_input:
+                weights = weights + count * full
+            else:
+                other = np.maximum(other, full)
+        return weights + other
+
+    def memory(self, masks, extras=None):
         """Bytes per device under each plan: (args+results, peak temporaries)."""
+        if extras is None:
+            extras = self.extras(masks)
+        gathered = self.gathered_memory(masks, extras)
         fixed = 0.0
         for keys, nb in self.fixed_groups:
             fixed = fixed + nb / self._shard(self._layout(keys, masks))
         per = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.mem_groups]
         if not per:
-            return fixed, fixed * 0.0
+            return fixed, gathered + fixed * 0.0
         shape = np.broadcast(*[np.asarray(x) for x in per]).shape
         mat = np.stack([np.broadcast_to(x, shape) for x in per])       # groups x N
         temp = (self.mem_points @ mat.reshape(len(per), -1)).max(axis=0).reshape(shape)
-        return fixed, temp
+        return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
     def evaluate(self, masks):
@@ -307,7 +346,7 @@ class CostModel:
         total = total + tg
         for k, v in (("t:all-gather", tg), ("b:all-gather", bg), ("n:all-gather", ng)):
             acc[k] = acc.get(k, 0.0) + v
-        fixed, temp = self.memory(masks)
+        fixed, temp = self.memory(masks, extras)
         out = {"time": float(total), "compute": float(acc.get("compute", 0.0)),
                "memory": float(fixed + temp), "memory_fixed": float(fixed), "memory_temp": float(temp)}
         for k in KINDS:

@@ -40,9 +40,13 @@ def _dims_of(tree):
             for x in jax.tree.leaves(tree, is_leaf=_is_named)]
 
 
-def trace(fn, *args):
-    """(ClosedJaxpr, Graph, in_tree, out_tree) for fn(*args)."""
+def trace(fn, *args, transform=None):
+    """(ClosedJaxpr, Graph, in_tree, out_tree) for fn(*args); `transform`:
+    an optional ClosedJaxpr -> ClosedJaxpr pass run before planning (e.g.
+    `passes.fuse_projections`), whose result is what gets compiled."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    if transform is not None:
+        closed = transform(closed)
     graph = _graph.build(closed, _dims_of(args), _dims_of(out_shape))
     return closed, graph, jax.tree.structure(args), jax.tree.structure(out_shape)
 
@@ -173,9 +177,10 @@ def _rules_to_masks(cm, mesh, rules):
     return masks
 
 
-def plan_for(fn, *args, mesh, rules=None, memory_budget=None, profile=None) -> Plan:
+def plan_for(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transform=None) -> Plan:
+    """A Plan with the given `rules`, or searched when rules is None."""
     spec = MeshSpec.from_mesh(mesh, profile or "cpu")
-    closed, graph, in_tree, out_tree = trace(fn, *args)
+    closed, graph, in_tree, out_tree = trace(fn, *args, transform=transform)
     cm = CostModel(graph, spec)
     if rules is not None:
         return Plan(spec, cm, _rules_to_masks(cm, spec, rules), closed, in_tree, out_tree)
@@ -183,12 +188,14 @@ def plan_for(fn, *args, mesh, rules=None, memory_budget=None, profile=None) -> P
     return Plan(spec, cm, masks, closed, in_tree, out_tree, stats)
 
 
-def search(fn, *args, mesh, memory_budget=None, profile=None) -> Plan:
-    """The least-modelled-time plan for `fn(*args)` on `mesh` under the budget."""
-    return plan_for(fn, *args, mesh=mesh, memory_budget=memory_budget, profile=profile)
+def search(fn, *args, mesh, memory_budget=None, profile=None, transform=None) -> Plan:
+    """The least-modelled-time plan for `fn(*args)` on `mesh` under the budget
+    (bytes per device; default the profile's device memory)."""
+    return plan_for(fn, *args, mesh=mesh, memory_budget=memory_budget, profile=profile,
+                    transform=transform)
 
 
-def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None):
+def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None, transform=None):
     """Like `jax.jit(fn)`, sharded over `mesh` with searched (or given) rules.
     The plan of the latest call is at `.plan`."""
     cache = {}
@@ -197,13 +204,15 @@ def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None):
         key = jax.tree.structure(args), tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
                                               for x in jax.tree.leaves(args))
         if key not in cache:
-            p = plan_for(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget, profile=profile)
+            p = plan_for(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget,
+                         profile=profile, transform=transform)
             cache[key] = (p, p.jit())
         call.plan, f = cache[key]
         return f(*args)
 
     def lower(*args):
-        p = plan_for(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget, profile=profile)
+        p = plan_for(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget,
+                     profile=profile, transform=transform)
         call.plan = p
         return p.jit().lower(*args)
 

@@ -37,7 +37,10 @@ def save(path, state, meta: dict) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     leaves = [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(state)]
     buf = io.BytesIO()
+    # npz stores bfloat16 as raw 2-byte voids: keep dtype names alongside.
+    dtypes = json.dumps([x.dtype.name for x in leaves]).encode()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+             dtypes=np.frombuffer(dtypes, dtype=np.uint8),
              **{f"leaf_{i}": x for i, x in enumerate(leaves)})
     payload = buf.getvalue()
     digest = hashlib.sha256(payload).hexdigest().encode() + b"\n"
@@ -79,8 +82,15 @@ def _read(path):
                               f"train again.")
     with np.load(io.BytesIO(payload)) as z:
         meta = json.loads(bytes(z["meta"]).decode())
-        leaves = [z[f"leaf_{i}"] for i in range(len(z.files) - 1)]
+        names = json.loads(bytes(z["dtypes"]).decode())
+        leaves = [z[f"leaf_{i}"].view(_dtype(n)) for i, n in enumerate(names)]
     return meta, leaves
+
+
+def _dtype(name):
+    import ml_dtypes  # ships with jaxlib; knows bfloat16 and friends
+
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def load(path, template):

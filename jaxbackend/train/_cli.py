@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=_nonneg_int,
                    help=f"checkpoint every N steps, 0 = only at the end (default {DEFAULTS['ckpt_every']})")
     p.add_argument("--eval-every", type=_nonneg_int, help="validation every N steps")
+    p.add_argument("--sample-chars", type=_nonneg_int,
+                   help=f"chars to generate at the end, 0 = none (default {DEFAULTS['sample_chars']})")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.ckpt")
     p.add_argument("--devices", type=pi, default=1,
                    help="simulated CPU devices (N > 1: data mesh + sharding plan)")

@@ -129,10 +129,15 @@ def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
     return mesh, rules
 
 
-def train(cfg: TrainConfig, log=print) -> dict:
-    """Run (or resume) training; returns losses, timings and paths."""
+def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
+    """Run (or resume) training; returns losses, timings and paths.
+
+    `on_step(step, history, val_history)` is called after every step (a
+    notebook redraws its live loss plot from it)."""
     out = pathlib.Path(cfg.out)
     ckpt = out / CKPT_NAME
+    if cfg.resume:  # fail fast (before data and compile) on a missing or bad checkpoint
+        _check_resumable(ckpt, cfg)
     ids = _data.load_corpus(cfg.max_chars)
     train_ids, val_ids = _data.split(ids)
     baseline = _data.unigram_baseline(train_ids, val_ids)
@@ -212,6 +217,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
             meta = dict(step=done, config=cfg.model_key(), history=history, val_history=val_history)
             _checkpoint.save(ckpt, {"params": params, "opt_state": opt_state}, meta)
             log(f"checkpoint step {done} -> {ckpt}")
+        if on_step is not None:
+            on_step(done, history, val_history)
     elapsed = time.perf_counter() - t_start
     run_steps = cfg.steps - start
     if not val_history:
@@ -222,10 +229,13 @@ def train(cfg: TrainConfig, log=print) -> dict:
     st = jax.tree.map(lambda v: v, pstate)
     nnx.replace_by_pure_dict(st, jax.device_get(params))
     model = nnx.merge(graphdef, st, rest)
-    prompt = val_ids[: cfg.seq // 2].tolist()
-    sample = _data.decode(generate(model, prompt, cfg.sample_chars, key=jax.random.key(cfg.seed)))
-    log("sample (prompt from the validation text, then generated):\n" +
-        _data.decode(prompt) + sample)
+    sample = ""
+    if cfg.sample_chars:
+        prompt = val_ids[: cfg.seq // 2].tolist()
+        sample = _data.decode(generate(model, prompt, cfg.sample_chars,
+                                       key=jax.random.key(cfg.seed)))
+        log("sample (prompt from the validation text, then generated):\n" +
+            _data.decode(prompt) + sample)
     from jaxbackend.train import _plots
     png = _plots.loss_curve(out / "loss.png", history, val_history, baseline)
     log(f"loss curve -> {png}")
@@ -235,7 +245,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
                 sample=sample, png=png, ckpt=ckpt, jit=jit_name, params=params)
 
 
-def _load(ckpt, params, opt_state, cfg):
+def _check_resumable(ckpt, cfg):
     meta = _checkpoint.read_meta(ckpt)
     saved = meta.get("config", {})
     diff = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {v} (now)"
@@ -244,7 +254,11 @@ def _load(ckpt, params, opt_state, cfg):
         raise _checkpoint.CheckpointError(
             f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
             f"resume with the checkpoint's flags.")
-    (p, o), meta = _checkpoint.load(ckpt, (params, opt_state))
+
+
+def _load(ckpt, params, opt_state, cfg):
+    state, meta = _checkpoint.load(ckpt, {"params": params, "opt_state": opt_state})
+    p, o = state["params"], state["opt_state"]
     # Restore the placement (sharding) of the freshly initialised state.
     place = lambda new, old: jax.device_put(new, old.sharding)  # noqa: E731
     return (jax.tree.map(place, p, params), jax.tree.map(place, o, opt_state)), meta

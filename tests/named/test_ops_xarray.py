@@ -13,6 +13,8 @@ of names is compared, which is all that names make observable.
 from __future__ import annotations
 
 import operator
+import os
+import zlib
 
 import numpy as np
 import pytest
@@ -26,8 +28,15 @@ from jaxbackend import named as nx
 
 from ._reference import BF16, assert_same, dims_st, pair, rng_st, sizes_st
 
-FEW = settings(max_examples=8, deadline=None)
-SOME = settings(max_examples=15, deadline=None)
+# NX_EXAMPLES_SCALE=10 runs 10x the examples (a deeper, slower search).
+SCALE = int(os.environ.get("NX_EXAMPLES_SCALE", "1"))
+
+
+def _n(k):
+    return settings(max_examples=k * SCALE, deadline=None)
+
+
+FEW, SOME = _n(8), _n(15)
 
 
 # -- construction ---------------------------------------------------------------
@@ -94,7 +103,9 @@ def test_isel_vectorised(sizes, dims, rng, data):
         v = rng.integers(0, sizes[d], size=ishape).astype(np.int32)
         named[d] = nx.as_named(v, idims)
         ref[d] = xr.DataArray(v, dims=idims)
-    assert_same(x.isel(named), xa.isel(ref), check_order=True)
+    ks = sorted(dims.index(d) for d in which)
+    adjacent = ks == list(range(ks[0], ks[0] + len(ks)))  # then our order is xarray's
+    assert_same(x.isel(named), xa.isel(ref), check_order=adjacent)
 
 
 @FEW
@@ -195,7 +206,7 @@ UNARY_CASES = [(n, c) for n, (_, codes, _) in UNARY.items() for c in codes]
 @pytest.mark.parametrize("name,code", UNARY_CASES)
 def test_unary(name, code):
     ref_fn, _, domain = UNARY[name]
-    rng = np.random.default_rng(hash((name, code)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{name}/{code}".encode()))
     sizes = {"a": 2, "b": 3, "c": 1}
     x, xa = pair(rng, ("b", "a", "c"), sizes, CODES[code], positive=domain == "pos")
     if code == "b":  # reference in float32 on the bf16 values, rounded like ours
@@ -225,7 +236,7 @@ DUNDER = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mu
 
 
 @pytest.mark.parametrize("name", sorted(BINARY))
-@settings(max_examples=6, deadline=None)
+@_n(6)
 @given(sizes=sizes_st(), rng=rng_st(), data=st.data())
 def test_binary_broadcasts_by_name(name, sizes, rng, data):
     ref_fn, codes = BINARY[name]
@@ -244,7 +255,7 @@ def test_binary_broadcasts_by_name(name, sizes, rng, data):
         assert_same(DUNDER[name](a, b), want, check_order=True)
 
 
-@settings(max_examples=6, deadline=None)
+@_n(6)
 @given(sizes=sizes_st(hi=3), dims=dims_st(), rng=rng_st(), s=st.floats(0.5, 3.0))
 def test_scalar_operands(sizes, dims, rng, s):
     x, xa = pair(rng, dims, sizes)
@@ -264,7 +275,7 @@ REDUCE = {"sum": "fi", "mean": "fi", "max": "fi", "min": "fi", "prod": "f", "std
 
 
 @pytest.mark.parametrize("name", sorted(REDUCE))
-@settings(max_examples=8, deadline=None)
+@_n(8)
 @given(sizes=sizes_st(), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
 def test_reductions(name, sizes, dims, rng, data):
     dtype = CODES[data.draw(st.sampled_from(REDUCE[name]))]
@@ -302,7 +313,7 @@ def _softmax_ref(xa, dim, fn):
     return xr.DataArray(fn(xa.values, axis=xa.get_axis_num(dim)), dims=xa.dims)
 
 
-@settings(max_examples=6, deadline=None)
+@_n(6)
 @given(sizes=sizes_st(hi=3), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
 def test_softmax_family(sizes, dims, rng, data):
     x, xa = pair(rng, dims, sizes)

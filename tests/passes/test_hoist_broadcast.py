@@ -35,6 +35,23 @@ def test_hoisted_expand_does_the_unsqueeze_forms_work():
                         P.xsa_unsqueeze(v, y), atol=1e-5)
 
 
+def test_grad_of_expand_sums_the_group_axis_before_the_normalisation_backward():
+    v, y = P.xsa_args()
+    grad = jax.value_and_grad(P.xsa_loss, argnums=(0, 1))
+    grad_unsq = jax.value_and_grad(lambda v, y: jnp.sum(jnp.sin(P.xsa_unsqueeze(v, y))), argnums=(0, 1))
+    with _rewrite.collect_stats() as stats:
+        expand = _hoist(jax.make_jaxpr(grad)(v, y))
+    unsq = passes.dce(passes.inline_calls(jax.make_jaxpr(grad_unsq)(v, y)))
+    assert stats["sum sunk past broadcast factors"] >= 1
+
+    def full_size_divs(closed):  # the normalisation backward divides by |v|
+        return sum(1 for e in closed.jaxpr.eqns if e.primitive.name == "div"
+                   and e.outvars[0].aval.size == y.size)
+
+    assert full_size_divs(expand) == full_size_divs(unsq) == 0
+    P._close(P._run(expand, [v, y]), grad(v, y))
+
+
 def test_hoist_leaves_reductions_over_created_axes_alone():
     def f(x):
         b = jnp.broadcast_to(x[:, None], (3, 5))

@@ -1,0 +1,58 @@
+"""The pass benchmarks' --quick smoke runs (no BENCHMARKS.md writes), and the
+`explain` command on the shipped example."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.mark.parametrize("name", ["xsa", "pass_scaling", "dispatch"])
+def test_benchmark_quick_mode_runs_and_reports(name, capsys, monkeypatch):
+    import importlib
+
+    from benchmarks import _report
+
+    monkeypatch.setattr(_report, "write_section", lambda *a, **k: pytest.fail("quick wrote BENCHMARKS.md"))
+    mod = importlib.import_module(f"benchmarks.{name}")
+    assert mod.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| " in out and ("MET" in out or "MISSED" in out)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+grad"])
+def test_xsa_target_met_at_quick_sizes(mode):
+    from benchmarks import xsa
+
+    results = xsa.run((1, 8, 2, 2, 8), repeat=1)
+    after = results[(mode, "expand", "jb.jit")]
+    ref = results[(mode, "unsqueeze", "jax.jit")]
+    before = results[(mode, "expand", "jax.jit")]
+    assert after["flops"] <= 1.05 * ref["flops"] < before["flops"]
+    assert after["fusions"] <= ref["fusions"]
+
+
+def test_explain_cli_prints_the_report_for_the_example():
+    r = subprocess.run([sys.executable, "-m", "jaxbackend", "explain",
+                        "examples/explain_target.py:train_step", "--passes", "inline_calls,fuse_projections,dce"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "fuse_projections" in r.stdout and "forward chain fused: 4" in r.stdout
+    assert "weight-grad chain fused: 2" in r.stdout
+
+
+def test_explain_errors_name_the_fix(capsys):
+    from jaxbackend import _explain
+
+    target = str(ROOT / "examples" / "explain_target.py")
+    assert _explain.main([target]) == 2
+    assert "path/to/script.py:function" in capsys.readouterr().err
+    assert _explain.main([target + ":nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no function 'nope'" in err and "train_step" in err
+    assert _explain.main([str(ROOT / "benchmarks" / "_report.py") + ":table"]) == 2
+    assert "example_inputs_table()" in capsys.readouterr().err

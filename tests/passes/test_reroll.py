@@ -1,0 +1,191 @@
+"""`passes.reroll`: repeated layer blocks -> scan, and the near-misses it must leave alone.
+
+Reference: the unrolled jaxpr itself (before the pass), evaluated by XLA; the
+rolled one must agree on the forward value and on every gradient at 1e-5
+(float32). Sizes are tiny; each check compiles both programs once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbackend import _jax
+from jaxbackend.models import _attention_stack as attn
+from jaxbackend.models import _transformer as T
+from jaxbackend.passes import reroll as R
+from tests.passes._programs import check_pass, rand
+
+SMALL = dict(batch=1, seq=4, d=16, heads=2, mlp=32)
+
+
+def _run(closed, leaves):
+    return jax.jit(_jax.jaxpr_as_fun(closed))(*leaves)
+
+
+def _close(a, b, tol=1e-5):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.asarray(u), np.asarray(v)
+        np.testing.assert_allclose(u, v, rtol=tol, atol=tol * max(1.0, float(np.abs(u).max())))
+
+
+def _scans(closed):
+    return [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def _transformer(n_layers):
+    x, layers = T.init_transformer(jax.random.key(0), n_layers, **SMALL)
+    for i, p in enumerate(layers):  # non-trivial LayerNorm params, distinct per layer
+        p["ln1_g"] = p["ln1_g"] + 0.1 * rand(100 + i, SMALL["d"])
+        p["b1"] = p["b1"] + 0.1 * rand(200 + i, SMALL["mlp"])
+    return x, layers
+
+
+def _vg_jaxpr(fn, args, argnums):
+    leaves, tree = jax.tree.flatten(args)
+    n0 = len(jax.tree.leaves(args[0]))
+    flat_argnums = (tuple(range(len(leaves))) if argnums == "all"
+                    else tuple(range(n0, len(leaves))))
+
+    def flat(*xs):
+        return fn(*jax.tree.unflatten(tree, xs))[0]
+
+    vg = jax.value_and_grad(flat, argnums=flat_argnums)
+    return jax.make_jaxpr(vg)(*leaves), leaves
+
+
+@pytest.mark.parametrize("argnums, rolled", [("all", 4), ("weights", 3)])
+def test_transformer_value_and_grad_rolls_into_forward_and_reverse_scan(argnums, rolled):
+    closed, leaves = _vg_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]),
+                               _transformer(4), argnums)
+    out, stats = R.reroll_with_stats(closed)
+    _jax.check_closed_jaxpr(out)
+    scans = _scans(out)
+    assert len(scans) == 2 and stats.repeats == [rolled, rolled]
+    # forward scan first, backward scan reversed, consuming the forward stacks
+    assert [s.params["reverse"] for s in scans] == [False, True]
+    assert [s.params["length"] for s in scans] == [rolled, rolled]
+    # only the 12 weight lists are stacked by copying; every residual and the
+    # weights the backward pass re-reads come from stacks the forward scan made
+    assert stats.stacked_copies == len(T.PARAM_NAMES)
+    assert stats.stacks_reused >= len(T.PARAM_NAMES)
+    assert out.in_avals == closed.in_avals and out.out_avals == closed.out_avals
+    assert len(out.jaxpr.eqns) < len(closed.jaxpr.eqns) / 3
+    _close(_run(closed, leaves), _run(out, leaves))
+
+
+def test_transformer_passes_the_common_pass_checks():
+    x, layers = _transformer(3)
+    n = len(jax.tree.leaves((x, layers)))
+    fwd, vg = check_pass(R.reroll, lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"])[0],
+                         (x, layers), argnums=tuple(range(n)))
+    assert len(_scans(fwd)) == 1 and _scans(fwd)[0].params["length"] == 3
+    assert len(_scans(vg)) == 2
+
+
+def test_rolled_equals_hand_written_scan():
+    x, layers = _transformer(3)
+    closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
+    got = _run(R.reroll(closed), jax.tree.leaves((x, layers)))
+    want = jax.jit(lambda x, s: T.scan_transformer(x, s, SMALL["heads"]))(x, T.stack_layers(layers))
+    _close(want, got)
+
+
+def test_named_attention_grad_rolls_and_keeps_dim_names_in_the_body():
+    x, layers = attn.init_attention_stack(jax.random.key(1), 3, batch=1, time=4, embd=8,
+                                          head=2, hd=4)
+    nx_x, nx_layers = attn.name_params(x, layers)
+    closed, leaves = _vg_jaxpr(attn.named_attention_stack, (nx_x, nx_layers), "all")
+    out, stats = R.reroll_with_stats(closed)
+    assert stats.repeats == [3, 3]
+    body = _scans(out)[0].params["jaxpr"].jaxpr
+    einsums = [e for e in body.eqns if e.primitive.name == "einsum"]
+    assert len(einsums) == 6   # q, k, v, scores, mix, out projection
+    assert ("embd", "head", "hd") in {e.params["rhs_dims"] for e in einsums}
+    _close(_run(closed, leaves), _run(out, leaves))
+
+
+# --- near-misses -----------------------------------------------------------
+
+def _chain(x, ws, *, skip=False, key=None, same_key=False):
+    """x + tanh(x @ w1) @ w2 per layer; optional skip across two layers, or
+    dropout whose key is folded with the layer index (or the same key)."""
+    prev = x
+    for i, (w1, w2) in enumerate(ws):
+        h = jnp.tanh(x @ w1) @ w2
+        if key is not None:
+            k = key if same_key else jax.random.fold_in(key, i)
+            h = jnp.where(jax.random.bernoulli(k, 0.8, h.shape), h / 0.8, 0.0)
+        new = x + h + (prev if skip else 0.0)
+        prev, x = x, new
+    return (x ** 2).sum(), x
+
+
+def _chain_ws(n, widths=None):
+    widths = widths or [8] * n
+    return [(rand(10 + i, 6, w) * 0.4, rand(40 + i, w, 6) * 0.4) for i, w in enumerate(widths)]
+
+
+def _check_chain(fn, ws, expect_repeats):
+    x = rand(7, 3, 6)
+    closed, leaves = _vg_jaxpr(fn, (x, ws), "all")
+    out, stats = R.reroll_with_stats(closed)
+    assert stats.repeats == expect_repeats
+    if not expect_repeats:
+        assert out is closed
+    _close(_run(closed, leaves), _run(out, leaves))
+    return out
+
+
+def test_plain_chain_rolls():  # the positive control for the near-misses below
+    _check_chain(_chain, _chain_ws(4), [4, 4])
+
+
+def test_last_layer_of_another_width_stays_outside_the_run():
+    out = _check_chain(_chain, _chain_ws(4, [8, 8, 8, 12]), [3, 3])
+    hidden = {e.outvars[0].aval.shape for e in out.jaxpr.eqns if e.primitive.name == "tanh"}
+    assert hidden == {(3, 12)}   # the wide layer is still unrolled, the others are not
+
+
+def test_skip_connection_across_two_layers_is_not_rolled():
+    _check_chain(lambda x, ws: _chain(x, ws, skip=True), _chain_ws(5), [])
+
+
+def test_dropout_key_differing_per_layer_is_not_rolled():
+    key = jax.random.PRNGKey(3)
+    _check_chain(lambda x, ws: _chain(x, ws, key=key), _chain_ws(4), [])
+
+
+def test_dropout_with_one_shared_key_rolls():
+    key = jax.random.PRNGKey(3)
+    _check_chain(lambda x, ws: _chain(x, ws, key=key, same_key=True), _chain_ws(4), [4, 4])
+
+
+def test_parallel_look_alike_equations_are_not_a_loop():
+    # q, k, v projections of one layer are identical equations side by side,
+    # but none feeds the next: no scan
+    x, layers = _transformer(1)
+    closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
+    assert R.reroll(closed) is closed
+
+
+def test_min_repeats():
+    x, layers = _transformer(3)
+    closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
+    assert R.reroll(closed, min_repeats=4) is closed
+    assert _scans(R.reroll(closed, min_repeats=3))[0].params["length"] == 3
+    with pytest.raises(ValueError, match="min_repeats=1"):
+        R.reroll(closed, min_repeats=1)
+
+
+def test_weight_gradients_are_unstacked_without_constant_offset_slices():
+    # each per-layer result is read with a runtime index, so XLA compiles one
+    # slicing kernel per shape instead of one per layer
+    closed, leaves = _vg_jaxpr(_chain, (rand(7, 3, 6), _chain_ws(6)), "all")
+    out = R.reroll(closed)
+    assert not [e for e in out.jaxpr.eqns if e.primitive.name == "slice"
+                and e.invars[0].aval.shape[:1] == (6,)]
+    hlo = jax.jit(_jax.jaxpr_as_fun(out)).lower(*leaves).compile().as_text()
+    assert hlo.count("dynamic-slice(") >= 1

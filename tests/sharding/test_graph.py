@@ -1,0 +1,111 @@
+"""Dim identities through the graph (no compiling): names, reshape->matmul
+->reshape, tied layers, scan trip counts, divisibility."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxbackend import sharding
+from jaxbackend.models import _block as blk
+from jaxbackend.sharding import _plan
+
+
+def _graph(step, args):
+    return _plan.trace(step, *args)[1]
+
+
+def _key_of(g, v, axis):
+    return g.key_names[g.class_key[g.var_classes[v][axis]]]
+
+
+def test_named_inputs_and_einsums_name_the_keys(block):
+    g = _graph(block["step"], block["args"])
+    names = set(g.key_names)
+    assert {"batch", "time", "embd", "kv", "grp", "hd", "mlp", "vocab"} <= names
+    # time and time_k are one identity (rename of the same values): one key.
+    assert "time_k" not in names
+    wq = g.invars[[i for i, s in enumerate(g.shapes[v] for v in g.invars) if s == (32, 4, 2, 8)][0]]
+    assert [_key_of(g, wq, a) for a in range(4)] == ["embd", "kv", "grp", "hd"]
+
+
+def test_reshape_matmul_reshape_keeps_the_batch_dim(block):
+    g = _graph(block["jnp_step"], block["jnp_args"])
+    cfg = block["cfg"]
+    tokens = g.invars[-2]
+    batch_key = _key_of(g, tokens, 0)
+    flat = [v for v, s in enumerate(g.shapes) if s == (cfg.batch * cfg.time, cfg.embd)]
+    assert flat, "the jnp twin flattens activations to (batch*time, embd)"
+    assert all(_key_of(g, v, 0) == batch_key for v in flat)
+    # The merged head axis of a flattened projection is sharded as kv.
+    wq = g.invars[[i for i, v in enumerate(g.invars) if g.shapes[v] == (32, 4, 2, 8)][0]]
+    merged = [v for v, s in enumerate(g.shapes) if s == (cfg.batch * cfg.time, 4 * 2 * 8)]
+    assert merged and _key_of(g, merged[0], 1) == _key_of(g, wq, 1)
+
+
+def test_unnamed_layers_share_keys():
+    counts = []
+    for n in (1, 3):
+        cfg = blk.BlockConfig(n_layers=n)
+        p = blk.block_shapes(cfg)
+        t = blk.block_batch(None, cfg, abstract=True)
+        g = _graph(blk.sgd_step(blk.jnp_block_loss), (p, *t))
+        cm = sharding.CostModel(g, sharding.MeshSpec(("x",), (2,)))
+        counts.append(len(sharding._search.search_space(cm)[0]))
+    assert counts[0] == counts[1]
+
+
+def _contract_flops(g):
+    return sum(op.flops * op.mult for op in g.ops if op.kind == "contract")
+
+
+def test_scan_body_is_walked_and_multiplied_by_trip_count():
+    cfg = blk.BlockConfig(n_layers=3)
+    t = blk.name_block_batch(*blk.block_batch(None, cfg, abstract=True))
+    step = blk.sgd_step(blk.named_block_loss)
+    unrolled = _graph(step, (blk.name_block_params(blk.block_shapes(cfg)), *t))
+    scanned = _graph(step, (blk.name_block_params(blk.block_shapes(cfg, stacked=True)), *t))
+    assert len(scanned.ops) < len(unrolled.ops)
+    assert _contract_flops(scanned) == _contract_flops(unrolled)
+    mesh = sharding.MeshSpec(("data",), (4,))
+    costs = []
+    for g in (unrolled, scanned):
+        cm = sharding.CostModel(g, mesh)
+        masks = [mesh.mask("data") if n == "batch" else 0 for n in g.key_names]
+        costs.append(cm.evaluate(masks))
+    # Data parallel: the gradient all-reduce bytes are the same either way.
+    assert costs[1]["all-reduce"]["bytes"] == pytest.approx(costs[0]["all-reduce"]["bytes"], rel=1e-6)
+    assert costs[1]["compute"] == pytest.approx(costs[0]["compute"], rel=0.1)  # + stacking copies
+
+
+def test_indivisible_dims_are_never_sharded(block):
+    g = _graph(block["step"], block["args"])
+    mesh = sharding.MeshSpec(("a", "b"), (3, 2))
+    cm = sharding.CostModel(g, mesh)
+    keys, options = sharding._search.search_space(cm)
+    for k, opts in zip(keys, options):
+        for m in opts:
+            assert g.key_size[k] % mesh.group_size[m] == 0
+    assert all(mesh.group_size[m] != 3 for opts in options for m in opts)  # no size divisible by 3
+
+
+def test_rules_that_do_not_divide_are_rejected(block, mesh24):
+    with pytest.raises(ValueError, match="dim 'kv' has size 4, not divisible by mesh axes"):
+        sharding.plan_for(block["step"], *block["args"], mesh=mesh24, rules=dict(kv=("data", "model")))
+
+
+def test_mesh_links_and_profiles():
+    spec = sharding.MeshSpec(("node", "gpu"), (4, 8), "h100")
+    p = sharding.h100_profile()
+    assert spec.axis_bandwidth == (p.inter_bandwidth, p.intra_bandwidth)
+    assert spec.group_bandwidth[spec.mask(("node", "gpu"))] == p.inter_bandwidth
+    assert spec.group_size[spec.mask(("node", "gpu"))] == 32
+    assert sharding.h200_profile().memory > p.memory
+    custom = sharding.MeshSpec(("x",), (2,), "cpu", axis_bandwidth={"x": 1e9})
+    assert custom.axis_bandwidth == (1e9,)
+    am = sharding.abstract_mesh((8, 32), ("data", "model"))
+    assert sharding.MeshSpec.from_mesh(am).size == 256
+    assert math.prod(sharding.MeshSpec.from_mesh(am).axis_sizes) == 256
+    with pytest.raises(ValueError, match="has no axis 'z'"):
+        spec.mask("z")

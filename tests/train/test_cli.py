@@ -1,0 +1,107 @@
+"""`python -m jaxbackend train`: learns, resumes exactly after SIGKILL, and
+fails with one-line errors (exit 2, no traceback)."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxbackend.train import _checkpoint, _cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ["--tiny", "--quiet"]
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "jaxbackend", "train", *args]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)  # the CLI's own --devices decides
+    return env
+
+
+def _params(path):
+    _, leaves = _checkpoint._read(path)
+    return leaves
+
+
+def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+    steps = ["--steps", "60", "--ckpt-every", "10", "--eval-every", "0"]
+    full = tmp_path / "full"
+    done = subprocess.run(_cmd(*TINY, *steps, "--out", str(full)), env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # The uninterrupted run is also the "visibly learns" check of the tiny job.
+    assert "vs unigram baseline" in done.stdout and "(below by" in done.stdout
+    assert "sample (prompt from the validation text" in done.stdout
+    assert (full / "loss.png").stat().st_size > 1000
+    steps += ["--sample-chars", "0"]
+
+    part = tmp_path / "part"
+    proc = subprocess.Popen(_cmd(*TINY, *steps, "--out", str(part)), env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line.startswith("checkpoint step 20"):
+            proc.send_signal(signal.SIGKILL)  # hard kill right after a checkpoint
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = _checkpoint.read_meta(part / "checkpoint.ckpt")["step"]
+    assert 20 <= killed_at < 60
+
+    resumed = subprocess.run(_cmd(*TINY, *steps, "--out", str(part), "--resume"), env=_env(),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {part / 'checkpoint.ckpt'} at step {killed_at}" in resumed.stdout
+    a, b = _params(full / "checkpoint.ckpt"), _params(part / "checkpoint.ckpt")
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert _checkpoint.read_meta(part / "checkpoint.ckpt")["history"] == \
+        _checkpoint.read_meta(full / "checkpoint.ckpt")["history"]
+
+
+def _run_main(args, capsys):
+    code = _cli.main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "0"], "--steps: '0' must be > 0"),
+    (["--lr", "abc"], "--lr: 'abc' is not a valid float"),
+    (["--embd", "30", "--heads", "4"], "--embd 30 does not divide by --heads 4"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_arguments_one_line_exit_2(args, needle, capsys):
+    code, err = _run_main(TINY + args, capsys)
+    assert code == 2 and needle in err and len(err.splitlines()) == 1 and err.startswith("error:")
+
+
+def test_missing_and_corrupt_checkpoint_one_line_exit_2(tmp_path, capsys):
+    code, err = _run_main(TINY + ["--out", str(tmp_path), "--resume"], capsys)
+    assert code == 2 and "no checkpoint at" in err and len(err.splitlines()) == 1
+    (tmp_path / "checkpoint.ckpt").write_bytes(_checkpoint.MAGIC + b"0" * 64 + b"\ntruncated")
+    code, err = _run_main(TINY + ["--out", str(tmp_path), "--resume"], capsys)
+    assert code == 2 and "corrupt" in err and len(err.splitlines()) == 1
+
+
+def test_dims_not_dividing_the_mesh_one_line_exit_2(tmp_path, capsys):
+    assert jax.device_count() >= 3  # conftest fakes 8 CPU devices
+    code, err = _run_main(TINY + ["--devices", "3", "--batch", "4", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "'batch' has size 4" in err and len(err.splitlines()) == 1
+
+
+def test_error_in_a_fresh_process_has_no_traceback(tmp_path):
+    r = subprocess.run(_cmd(*TINY, "--out", str(tmp_path), "--resume"), env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error: no checkpoint at")
