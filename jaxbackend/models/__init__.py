@@ -15,3 +15,16 @@ from jaxbackend.models._transformer import (
     scan_transformer as scan_transformer,
     stack_layers as stack_layers,
 )
+from jaxbackend.models._block import (
+    LLAMA_8B as LLAMA_8B,
+    BlockConfig as BlockConfig,
+    block_batch as block_batch,
+    block_shapes as block_shapes,
+    init_block_params as init_block_params,
+    jnp_block_loss as jnp_block_loss,
+    name_block_batch as name_block_batch,
+    name_block_params as name_block_params,
+    named_block_loss as named_block_loss,
+    sgd_step as sgd_step,
+    stack_block_layers as stack_block_layers,
+)

@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbackend import named as nx
 
@@ -62,15 +63,15 @@ def block_dims():
     return dict(_TOP_DIMS), dict(_LAYER_DIMS)
 
 
-def init_block_params(key, cfg: BlockConfig) -> dict:
-    """Plain arrays, scaled so activations stay O(1); norms start at 1."""
-    keys = iter(jax.random.split(key, 3 + 9 * cfg.n_layers))
+def init_block_params(seed: int, cfg: BlockConfig) -> dict:
+    """Plain arrays, scaled so activations stay O(1); norms start at 1.
+    (numpy's generator: one device transfer per leaf, no per-shape compiles.)"""
+    rng = np.random.default_rng(seed)
 
     def w(dims, fan_in):
-        return jax.random.normal(next(keys), _shape(cfg, dims), cfg.dtype) / math.sqrt(fan_in)
+        return jnp.asarray(rng.standard_normal(_shape(cfg, dims)) / math.sqrt(fan_in), cfg.dtype)
 
     def norm(dims):
-        next(keys)
         return jnp.ones(_shape(cfg, dims), cfg.dtype)
 
     params = dict(embed=w(_TOP_DIMS["embed"], 1), norm_f=norm(("embd",)),
@@ -97,21 +98,21 @@ def block_shapes(cfg: BlockConfig, *, stacked: bool = False) -> dict:
     return out
 
 
-def stack_layers(params: dict) -> dict:
+def stack_block_layers(params: dict) -> dict:
     """Layers as one dict of arrays stacked on a leading axis (for `scan`)."""
     layers = params["layers"]
     return dict(params, layers={k: jnp.stack([p[k] for p in layers]) for k in layers[0]})
 
 
-def block_batch(key, cfg: BlockConfig, *, abstract: bool = False):
+def block_batch(seed, cfg: BlockConfig, *, abstract: bool = False):
     """(tokens, targets), each (batch, time) int32."""
     shape = (cfg.batch, cfg.time)
     if abstract:
         s = jax.ShapeDtypeStruct(shape, jnp.int32)
         return s, s
-    k1, k2 = jax.random.split(key)
-    return (jax.random.randint(k1, shape, 0, cfg.vocab, jnp.int32),
-            jax.random.randint(k2, shape, 0, cfg.vocab, jnp.int32))
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.integers(0, cfg.vocab, shape), jnp.int32),
+            jnp.asarray(rng.integers(0, cfg.vocab, shape), jnp.int32))
 
 
 def name_block_params(params: dict) -> dict:
@@ -152,7 +153,7 @@ def _named_layer(x, p, causal):
 
 def named_block_loss(params: dict, tokens, targets):
     """Mean next-token cross-entropy; tokens/targets NamedArray (batch, time).
-    Stacked layers (`stack_layers`) run as one `lax.scan` over "layer"."""
+    Stacked layers (`stack_block_layers`) run as one `lax.scan` over "layer"."""
     x = params["embed"].isel(vocab=tokens)                         # batch time embd
     t = x.sizes["time"]
     causal = nx.arange(t, dim="time") >= nx.arange(t, dim="time_k")

@@ -106,8 +106,9 @@ def align(op: str, *args):
                     sizes[d], where[d] = n, i
                     out.append(d)
                 elif sizes[d] != n:
+                    j = where[d]
                     raise _errors.size_conflict(
-                        op, d, sizes[d], n, f"argument {where[d] + 1} (dims {_errors.fmt_dims(args[where[d]].dims)})",
+                        op, d, sizes[d], n, f"argument {j + 1} (dims {_errors.fmt_dims(args[j].dims)})",
                         f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
         elif not _is_scalar(a):
             raise _errors.DimError(
@@ -350,7 +351,9 @@ def _bind_methods():
 
     def binop(name, reflected=False):
         fn = E[name]
-        return (lambda self, other: fn(other, self)) if reflected else (lambda self, other: fn(self, other))
+        if reflected:
+            return lambda self, other: fn(other, self)
+        return lambda self, other: fn(self, other)
 
     for dunder, name in [("add", "add"), ("sub", "subtract"), ("mul", "multiply"),
                          ("truediv", "divide"), ("floordiv", "floor_divide"),

@@ -18,9 +18,9 @@ equation list, `period` equations each, such that
 
 A block whose literal, parameter, width or data flow differs ends the run
 there (a run needs `min_repeats` blocks). A value read two or more blocks
-after it is made (a skip connection across layers) rejects the whole region:
-such a chain is not a simple loop, and rolling pieces of it would be a loop
-in name only.
+after it is made (a skip connection across layers) rejects the whole region,
+and any run at another period (say two layers per block) overlapping it:
+such a chain is not a simple layer loop.
 
 Linear time: equations are hashed once into interned integer signatures
 (parameters canonicalised, sub-jaxprs printed once per distinct object); the
@@ -42,6 +42,9 @@ import numpy as np
 from jaxbackend import _jax
 
 MAX_PERIOD_CANDIDATES = 16
+# A block shorter than this is not worth a loop (a scan costs more than the
+# couple of kernels it would save): e.g. AD's `mul` chains from x ** 2.
+MIN_BLOCK_EQNS = 4
 
 
 @dataclasses.dataclass
@@ -121,7 +124,8 @@ def candidate_periods(sigs, min_repeats: int) -> list:
         if s in last:
             hist[i - last[s]] += 1
         last[s] = i
-    ok = [(c * d, d) for d, c in hist.items() if c >= max(1, min_repeats - 1)]
+    ok = [(c * d, d) for d, c in hist.items()
+          if c >= max(1, min_repeats - 1) and d >= MIN_BLOCK_EQNS]
     ok.sort(key=lambda t: (-t[0], t[1]))
     return [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
 
@@ -223,8 +227,9 @@ def _matches(t, d):
     return t[0] == d[0] and (t[0] == "out" or t == d)
 
 
-def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int) -> list:
-    """Verified runs among blocks start + j*period, j < nblocks."""
+def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int):
+    """Verified runs among blocks start + j*period, j < nblocks; None when a
+    value skips a block (the region is then not a chain at this period)."""
     runs, s = [], 0
     while nblocks - s >= min_repeats:
         eq = lambda j, r: g.eqns[start + j * period + r]  # noqa: E731
@@ -232,7 +237,7 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
         tmpl = [[_desc(g, v, s + 1, s, start, period) for v in eq(s + 1, r).invars]
                 for r in range(period)]
         if any(d[0] == "bad" for row in tmpl for d in row):
-            return []   # a value skips a block (a skip connection): not a simple chain
+            return None   # a value skips a block (a skip connection): not a simple chain
         if not any(d[0] == "car" for row in tmpl for d in row):
             s += 1
             continue
@@ -253,7 +258,7 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
             descs = [(t, _desc(g, v, j, s, start, period))
                      for r in range(period) for t, v in zip(tmpl[r], eq(j, r).invars)]
             if any(d[0] == "bad" for _, d in descs):
-                return []
+                return None
             if not all(_matches(t, d) for t, d in descs):
                 break
             j += 1
@@ -306,14 +311,21 @@ def find_runs(jaxpr, min_repeats: int = 2) -> list:
         return []
     g = Graph(jaxpr)
     sigs = signatures(jaxpr.eqns)
-    found = []                                       # (run, region)
+    found, skips = [], []                            # (run, region); (a, b) rejected
     for period in candidate_periods(sigs, min_repeats):
         for a, b in periodic_regions(sigs, period, min_repeats):
             ranked = phase_ranking(g, a, b, period, min_repeats)
-            if ranked:
-                region = (a, b, period, ranked)
-                found.extend((r, region) for r in split_runs(g, ranked[0][2], period,
-                                                             -ranked[0][1], min_repeats))
+            if not ranked:
+                continue
+            runs = split_runs(g, ranked[0][2], period, -ranked[0][1], min_repeats)
+            if runs is None:
+                skips.append((a, b))
+            else:
+                found.extend((r, (a, b, period, ranked)) for r in runs)
+    # a skip connection seen at one period also vetoes the same equations at a
+    # multiple of it (two layers per block would hide the skip inside a block)
+    found = [(r, reg) for r, reg in found
+             if all(r.stop <= a or b <= r.start for a, b in skips)]
     chosen = _select(found)
     return [r for r, _ in _align_producers(g, chosen, min_repeats)]
 
@@ -354,7 +366,7 @@ def _align_producers(g: Graph, chosen, min_repeats: int):
             if not all((lo - start) // period == (hi - start) // period for lo, hi in spans):
                 continue
             if start != f.start:
-                runs = split_runs(g, start, period, -neg_nb, min_repeats)
+                runs = split_runs(g, start, period, -neg_nb, min_repeats) or []
                 others = [c for k, (c, _) in enumerate(out) if k != fi]
                 if len(runs) == 1 and all(runs[0].stop <= c.start or c.stop <= runs[0].start
                                           for c in others):

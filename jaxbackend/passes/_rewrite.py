@@ -102,6 +102,7 @@ class Rewriter:
         self._shared = shared        # per-pass: memo of rewritten sub-jaxprs, stats
         self.eqns: list = []
         self._producer: dict = {}
+        self._indexed = 0            # eqns[:_indexed] are in _producer
         self.new_constvars: list = []
         self.new_consts: list = []
         self.changed = False
@@ -111,7 +112,15 @@ class Rewriter:
     def producer(self, atom):
         """The equation (in the new graph) defining `atom`, or None for
         inputs, consts and literals."""
-        return self._producer.get(atom) if _jax.is_var(atom) else None
+        if not _jax.is_var(atom):
+            return None
+        # Indexed lazily: passes that never ask (inline, cse) pay nothing.
+        eqns, producer = self.eqns, self._producer
+        for i in range(self._indexed, len(eqns)):
+            for v in eqns[i].outvars:
+                producer[v] = eqns[i]
+        self._indexed = len(eqns)
+        return producer.get(atom)
 
     def count(self, name: str, n: int = 1) -> None:
         self._shared["stats"][name] += n
@@ -145,25 +154,20 @@ class Rewriter:
                 nv = _jax.DropVar(v.aval) if _jax.is_dropvar(v) else _jax.new_var(v.aval)
                 env[v] = nv
                 outvars.append(nv)
-            self._append(eqn.replace(invars=invars, outvars=outvars))
+            self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
         self.changed = True
         return [env.get(v, v) if _jax.is_var(v) else v for v in closed.jaxpr.outvars]
 
     # -- driver ------------------------------------------------------------
     def _const(self, value, aval):
         if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
-            return _jax.new_literal(value, aval)
+            return _jax.new_literal(np.asarray(value, dtype=aval.dtype), aval)
         if not self._closed:
             raise RewriteDeclined("cannot add a const inside an open sub-jaxpr")
         v = _jax.new_var(aval)
         self.new_constvars.append(v)
         self.new_consts.append(value)
         return v
-
-    def _append(self, eqn) -> None:
-        self.eqns.append(eqn)
-        for v in eqn.outvars:
-            self._producer[v] = eqn
 
     def _sub(self, value):
         """Rewritten version of a sub-jaxpr parameter (same object if unchanged)."""
@@ -204,10 +208,11 @@ class Rewriter:
                 try:
                     out = rule(self, eqn)
                 except RewriteDeclined:
-                    del self.eqns[n_before:]
+                    del self.eqns[n_before:]   # now dead; drop them
+                    self._indexed = min(self._indexed, n_before)
                     out = None
             if out is None:
-                self._append(eqn)
+                self.eqns.append(eqn)
                 continue
             out = list(out)
             assert len(out) == len(eqn.outvars), (eqn.primitive, len(out), len(eqn.outvars))

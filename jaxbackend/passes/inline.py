@@ -46,17 +46,19 @@ def _call_rule(ctx, eqn):
         return None
     if _jax.is_open_jaxpr(body):
         body = _jax.ClosedJaxpr(body, ())
+    if len(body.jaxpr.invars) != len(eqn.invars):
+        return None
     ctx.count(f"inlined {eqn.primitive.name}")
     return ctx.splice(body, eqn.invars)
 
 
 def _custom_rule(ctx, eqn):
-    body = eqn.params["call_jaxpr"]
-    n_consts = eqn.params.get("num_consts", 0)
+    body = eqn.params.get("call_jaxpr")
+    # JAX 0.10: the first `num_consts` operands are consts that call_jaxpr
+    # takes as ordinary leading inputs, so operands map onto inputs in order.
+    if body is None or len(body.jaxpr.invars) != len(eqn.invars):
+        return None
     ctx.count(f"inlined {eqn.primitive.name}")
-    # custom_vjp_call's first `num_consts` operands are consts of call_jaxpr,
-    # which takes them as ordinary leading inputs: splice maps them in order.
-    del n_consts
     return ctx.splice(body, eqn.invars)
 
 

@@ -27,6 +27,7 @@ after each pass (k=0 is the input).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pathlib
 import re
@@ -115,6 +116,20 @@ def run_pipeline(closed, passes: Sequence | None = None, *, keep_jaxprs: bool = 
         (dump_dir / f"{label}.0.input.txt").write_text(str(closed))
     jaxprs = [("input", closed)] if keep_jaxprs else None
     stats = []
+    # The passes allocate many small acyclic objects; with the collector on,
+    # each generation-2 sweep walks the whole heap (JAX's included), which
+    # made per-equation cost grow with program size. Collect afterwards.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        closed = _run(closed, passes, jaxprs, stats, dump_dir, label)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return closed, Report(stats, jaxprs)
+
+
+def _run(closed, passes, jaxprs, stats, dump_dir, label):
     n = _rewrite.count_eqns(closed)
     for k, (name, fn) in enumerate(resolve(passes), start=1):
         t0 = time.perf_counter()
@@ -128,4 +143,4 @@ def run_pipeline(closed, passes: Sequence | None = None, *, keep_jaxprs: bool = 
             jaxprs.append((name, closed))
         if dump_dir is not None:
             (dump_dir / f"{label}.{k}.{name}.txt").write_text(str(closed))
-    return closed, Report(stats, jaxprs)
+    return closed

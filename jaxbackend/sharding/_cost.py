@@ -248,7 +248,13 @@ class CostModel:
         for op in g.ops:
             for v, _ in op.ins:
                 consumers.setdefault(v, []).append(op.kind)
+        outs = set(g.outvars)
         for i, op in enumerate(g.ops):
+            for v, _ in op.outs:
+                # Dead values are removed by XLA; constants (broadcasts of
+                # literals, iota) are fused into their consumers.
+                if v not in outs and (v not in consumers or not op.ins):
+                    fused.add(v)
             if op.kind == "map":
                 for v, _ in op.outs:
                     if (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
@@ -330,6 +336,15 @@ class CostModel:
         return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
+    def step_time(self, masks):
+        """Modelled step time only (fast path; same model as `evaluate`)."""
+        total, extras = 0.0, []
+        for sig, mult in self.sigs:
+            t, _, ex = self.op_cost(sig, masks)
+            extras.append(ex)
+            total = total + mult * t
+        return total + self._gathers(extras, masks, False)[0], extras
+
     def evaluate(self, masks):
         """A full breakdown for one plan (`masks[k]` an int per key)."""
         masks = [np.asarray(m) for m in masks]

@@ -28,9 +28,9 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
-def collectives(hlo_text: str) -> dict:
-    """{kind: {'count': n, 'bytes': result bytes per device}} for each kind."""
-    out = {k: {"count": 0, "bytes": 0} for k in _KINDS}
+def instructions(hlo_text: str) -> list:
+    """[(kind, result bytes per device, group size)] for each collective."""
+    out = []
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
         if m:
@@ -38,9 +38,53 @@ def collectives(hlo_text: str) -> dict:
             if start:   # async start returns (operand, result, ...): count the result only
                 parts = _SHAPE.findall(shape)
                 shape = "%s[%s]" % parts[-1] if parts else ""
-            out[kind]["count"] += 1
-            out[kind]["bytes"] += _bytes(shape)
+            out.append((kind, _bytes(shape), _group_size(line)))
     return out
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:   # mesh['a'=2,'b'=4] {'a'}: the product of the named axes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if m:   # iota form [groups, size]<=[...]
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    return 2 if m else 1
+
+
+def collectives(hlo_text: str) -> dict:
+    """{kind: {'count': n, 'bytes': result bytes per device}} for each kind."""
+    out = {k: {"count": 0, "bytes": 0} for k in _KINDS}
+    for kind, nbytes, _ in instructions(hlo_text):
+        out[kind]["count"] += 1
+        out[kind]["bytes"] += nbytes
+    return out
+
+
+def comm_time(hlo_text: str, mesh) -> float:
+    """Seconds the compiled collectives take under `mesh`'s alpha-beta model
+    (the cost model's formulas applied to what XLA emitted). A group is
+    given the slowest link of the mesh-axis groups of its size."""
+    total = 0.0
+    for kind, nbytes, n in instructions(hlo_text):
+        if n <= 1:
+            continue
+        cands = [m for m in range(len(mesh.group_size)) if mesh.group_size[m] == n]
+        bw = min((mesh.group_bandwidth[m] for m in cands), default=min(mesh.axis_bandwidth))
+        lat = max((mesh.group_latency[m] for m in cands), default=max(mesh.axis_latency))
+        frac, steps = (n - 1) / n, n - 1
+        full = nbytes * (n if kind == "reduce-scatter" else 1)
+        if kind == "all-reduce":
+            frac, steps = 2 * frac, 2 * steps
+        elif kind == "collective-permute":
+            frac, steps = 1.0, 1
+        total += frac * full / bw + steps * lat
+    return total
 
 
 def memory(compiled) -> dict:

@@ -41,7 +41,7 @@ class TrainConfig:
     steps: int = 300
     batch: int = 32
     seq: int = 64
-    layers: int = 3
+    layers: int = 2
     embd: int = 128
     heads: int = 4
     lr: float = 3e-3
@@ -150,8 +150,9 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
         nnx.replace_by_pure_dict(st, params)
         return nnx.merge(graphdef, st, rest).loss(x, y)
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, min(cfg.warmup, cfg.steps),
-                                                  cfg.steps, cfg.lr * 0.1)
+    warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  cfg.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))
     data = jnp.asarray(train_ids)

@@ -75,16 +75,21 @@ def test_small_program_grad_and_jvp_match_jnp():
     b = jax.random.normal(k[2], (3,))
     args = (nx.as_named(x, ("batch", "time", "embd")), nx.as_named(w, ("embd", "head")),
             nx.as_named(b, ("head",)))
-    _close(jax.jit(_named_program)(*args), _jnp_program(x, w, b))
-    gn = jax.jit(jax.grad(_named_program, argnums=(0, 1, 2)))(*args)
-    gj = jax.jit(jax.grad(_jnp_program, argnums=(0, 1, 2)))(x, w, b)
+    jargs = (x, w, b)
+
+    @jax.jit
+    def both(named_args, plain_args):
+        # One compile per twin: value, grad and jvp together.
+        def run(fn, a):
+            t = jax.tree.map(jnp.ones_like, a)
+            return (jax.value_and_grad(fn, argnums=(0, 1, 2))(*a), jax.jvp(fn, a, t))
+        return run(_named_program, named_args), run(_jnp_program, plain_args)
+
+    ((vn, gn), (pn, tn)), ((vj, gj), (pj, tj)) = both(args, jargs)
+    _close(vn, vj)
     for a, g, r in zip(args, gn, gj):
         assert g.dims == a.dims
         _close(g.values, r)
-    tangents = tuple(jax.tree.map(jnp.ones_like, a) for a in args)
-    pn, tn = jax.jit(lambda p, t: jax.jvp(_named_program, p, t))(args, tangents)
-    pj, tj = jax.jit(lambda p, t: jax.jvp(_jnp_program, p, t))(
-        (x, w, b), tuple(jnp.ones_like(a) for a in (x, w, b)))
     _close(pn, pj)
     _close(tn, tj)
 

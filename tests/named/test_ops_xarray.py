@@ -50,7 +50,8 @@ def test_construction(sizes, dims, rng, dtype):
     assert x.dtype == np.dtype(dtype)
     sz = {d: sizes[d] for d in dims}
     shape = tuple(sz.values())
-    assert_same(nx.zeros(sz), xr.DataArray(np.zeros(shape, np.float32), dims=dims), check_order=True)
+    assert_same(nx.zeros(sz), xr.DataArray(np.zeros(shape, np.float32), dims=dims),
+                check_order=True)
     assert_same(nx.ones(sz, dtype=np.int32), xr.DataArray(np.ones(shape, np.int32), dims=dims),
                 check_order=True)
     f = nx.full(sz, 2.5)

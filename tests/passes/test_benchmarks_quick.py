@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-@pytest.mark.parametrize("name", ["xsa", "pass_scaling", "dispatch"])
+@pytest.mark.parametrize("name", ["pass_scaling", "dispatch"])  # xsa: below
 def test_benchmark_quick_mode_runs_and_reports(name, capsys, monkeypatch):
     import importlib
 
@@ -24,16 +24,19 @@ def test_benchmark_quick_mode_runs_and_reports(name, capsys, monkeypatch):
     assert "| " in out and ("MET" in out or "MISSED" in out)
 
 
-@pytest.mark.parametrize("mode", ["forward", "forward+grad"])
-def test_xsa_target_met_at_quick_sizes(mode):
-    from benchmarks import xsa
+def test_xsa_quick_meets_both_targets(capsys, monkeypatch):
+    """At quick sizes the pass already makes expand as cheap as unsqueeze."""
+    from benchmarks import _report, xsa
 
+    monkeypatch.setattr(_report, "write_section", lambda *a, **k: pytest.fail("quick wrote BENCHMARKS.md"))
     results = xsa.run((1, 8, 2, 2, 8), repeat=1)
-    after = results[(mode, "expand", "jb.jit")]
-    ref = results[(mode, "unsqueeze", "jax.jit")]
-    before = results[(mode, "expand", "jax.jit")]
-    assert after["flops"] <= 1.05 * ref["flops"] < before["flops"]
-    assert after["fusions"] <= ref["fusions"]
+    for mode in ("forward", "forward+grad"):
+        after = results[(mode, "expand", "jb.jit")]
+        ref = results[(mode, "unsqueeze", "jax.jit")]
+        before = results[(mode, "expand", "jax.jit")]
+        assert after["flops"] <= 1.05 * ref["flops"] < before["flops"], mode
+        assert after["fusions"] <= ref["fusions"], mode
+    assert xsa.render(results, (1, 8, 2, 2, 8)).count("MET (target") == 2
 
 
 def test_explain_cli_prints_the_report_for_the_example():

@@ -11,8 +11,8 @@ from jaxbackend.models import _block as blk
 @pytest.fixture(scope="session")
 def block():
     cfg = blk.BlockConfig(n_layers=2)
-    params = blk.init_block_params(jax.random.key(0), cfg)
-    tokens, targets = blk.block_batch(jax.random.key(1), cfg)
+    params = blk.init_block_params(0, cfg)
+    tokens, targets = blk.block_batch(1, cfg)
     named_args = (blk.name_block_params(params), *blk.name_block_batch(tokens, targets))
     step = blk.sgd_step(blk.named_block_loss)
     reference = jax.jit(step)(*named_args)   # single device
@@ -23,9 +23,3 @@ def block():
 @pytest.fixture(scope="session")
 def mesh24():
     return sharding.auto_mesh((2, 4), ("data", "model"))
-
-
-# Baseline rule sets on a (data, model) mesh, as people write them.
-MEGATRON = dict(batch="data", kv="model", mlp="model", vocab="model")
-FSDP = dict(batch=("data", "model"), embd=("data", "model"))
-DATA_PARALLEL = dict(batch=("data", "model"))

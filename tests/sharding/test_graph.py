@@ -109,3 +109,21 @@ def test_mesh_links_and_profiles():
     assert math.prod(sharding.MeshSpec.from_mesh(am).axis_sizes) == 256
     with pytest.raises(ValueError, match="has no axis 'z'"):
         spec.mask("z")
+
+
+def _same_plan(block, mesh, transform=None):
+    named = sharding.search(block["step"], *block["args"], mesh=mesh)
+    plain = sharding.search(block["jnp_step"], *block["jnp_args"], mesh=mesh, transform=transform)
+    print(f"\nnamed {named.rules}\njnp   {plain.rules}")
+    assert plain.in_specs() == named.in_specs()
+    assert plain.cost["time"] == pytest.approx(named.cost["time"], rel=0.1)
+
+
+def test_jnp_twin_reaches_the_same_plan(block, mesh24):
+    _same_plan(block, mesh24)
+
+
+def test_jnp_twin_after_fuse_projections_reaches_the_same_plan(block, mesh24):
+    passes = pytest.importorskip("jaxbackend.passes")
+    fuse = lambda c: passes.dce(passes.fuse_projections(passes.inline_calls(c)))  # noqa: E731
+    _same_plan(block, mesh24, transform=fuse)

@@ -105,3 +105,14 @@ def test_error_in_a_fresh_process_has_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("error: no checkpoint at")
+
+
+def test_devices_8_prints_the_searched_plan_and_trains(tmp_path, capsys):
+    pytest.importorskip("jaxbackend.sharding")
+    assert jax.device_count() >= 8  # conftest fakes 8 CPU devices
+    code = _cli.main(TINY + ["--devices", "8", "--batch", "8", "--steps", "3", "--ckpt-every", "0",
+                             "--eval-every", "0", "--sample-chars", "0", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| dim | mesh axes |" in out and "| batch | data |" in out
+    assert "checkpoint step 3" in out and (tmp_path / "loss.png").exists()
