@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         cfg, batch, steps, repeat = GPTConfig(vocab_size=128, seq_len=32, n_layers=1, embd=32,
                                               heads=2), 4, a.steps or 3, a.repeat or 2
     else:
-        cfg, batch, steps, repeat = GPTConfig(vocab_size=128, seq_len=64, n_layers=3, embd=128,
+        cfg, batch, steps, repeat = GPTConfig(vocab_size=128, seq_len=64, n_layers=2, embd=128,
                                               heads=4), 32, a.steps or 10, a.repeat or 5
     tx = optax.adamw(1e-3)
     variants = {}

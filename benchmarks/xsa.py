@@ -105,7 +105,10 @@ def render(results, sizes):
     b, t, kv, g, hd = sizes
     head = (f"Sizes: batch={b} time={t} kv_heads={kv} group={g} hd={hd} (float32). "
             "flops/bytes: XLA `cost_analysis()` of the compiled program; fusions: `fusion(` "
-            "instructions in `compiled.as_text()`; ratio: flops over jax.jit unsqueeze, same mode.\n\n")
+            "instructions in `compiled.as_text()`; ratio: flops over jax.jit unsqueeze, same mode. "
+            "median us: wall time of the compiled call on a shared 2-core machine, noisy "
+            "(identical programs differ by up to 2x between rows); the targets are flops and "
+            "fusions.\n\n")
     table = _report.table(["mode", "form", "compiler", "flops", "flops ratio", "fusions",
                            "bytes", "median us"], rows)
     return head + table + "\n\n" + "\n".join(verdicts)

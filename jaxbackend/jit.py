@@ -35,6 +35,8 @@ caller insert sharding constraints or any other rewrite. A later `mesh=` /
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -46,6 +48,7 @@ _UNSPECIFIED = object()
 
 
 def _split_static(args, static_argnums):
+    static_argnums = {i % len(args) if i < 0 else i for i in static_argnums} if args else ()
     static = {i: a for i, a in enumerate(args) if i in static_argnums}
     dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
     return static, dynamic
@@ -124,6 +127,27 @@ def _normalize_argnums(argnums) -> tuple:
     return tuple(argnums)
 
 
+def _complete_statics(fn, static_argnums, static_argnames):
+    """Both forms of every static argument, as jax.jit infers them from the
+    signature, so a static parameter is static whether passed by position
+    or by name (our traced body sees fn's signature via functools.wraps)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return static_argnums, static_argnames
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums = {i % len(positional) if i < 0 and positional else i for i in static_argnums}
+    names = set(static_argnames)
+    for i in list(nums):
+        if i < len(positional) and params[i].kind is not params[i].POSITIONAL_ONLY:
+            names.add(positional[i])
+    for name in list(names):
+        if name in positional:
+            nums.add(positional.index(name))
+    return tuple(sorted(nums)), tuple(sorted(names))
+
+
 def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
         static_argnames=(), donate_argnums=(), in_shardings=_UNSPECIFIED,
         out_shardings=_UNSPECIFIED, _transform: Callable | None = None, **jax_jit_kwargs):
@@ -135,9 +159,11 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     """
     static_argnums = _normalize_argnums(static_argnums)
     static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
     _pipeline.resolve(passes)  # fail early on unknown pass names
     holder: list = []
 
+    @functools.wraps(fn)  # jax.jit reads fn's name and signature through this
     def body(*args, **kwargs):
         closed, leaves, out_tree = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
         closed, report = _pipeline.run_pipeline(closed, passes, label=getattr(fn, "__name__", "fn"))

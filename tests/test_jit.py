@@ -114,3 +114,16 @@ def test_named_outputs_and_pytrees_round_trip():
     x, layers = _stack()
     out = jb.jit(lambda x, l: named_attention_stack(x, l)[1])(x, layers)
     assert isinstance(out, nx.NamedArray) and out.dims == ("batch", "time", "embd")
+
+
+def test_static_argname_passed_by_position_and_static_argnum_by_name():
+    def f(x, n):
+        return jnp.zeros(n) + x[0]   # raises if n arrives as a tracer
+
+    by_name = jb.jit(f, static_argnames="n")
+    by_num = jb.jit(f, static_argnums=1)
+    x = jnp.ones(3)
+    for g in (by_name, by_num):
+        assert g(x, 3).shape == (3,) and g(x, n=3).shape == (3,)
+        assert g(x, 4).shape == (4,)
+    assert by_name.__name__ == "f"

@@ -150,7 +150,12 @@ class _Evaluator:
             arr = self.stacks[sid]
             if self.indices is None:
                 self.indices = _opaque_indices(self.max_repeats, arr)
-            val = self.env[v] = lax.dynamic_index_in_dim(arr, self.indices[idx], keepdims=False)
+            # dynamic_slice (clamped by XLA) + squeeze: two plain equations,
+            # where lax.dynamic_index_in_dim would add a nested jit per read
+            start = (self.indices[idx],) + (0,) * (arr.ndim - 1)
+            val = lax.squeeze(lax.dynamic_slice(arr, start, (1,) + arr.shape[1:],
+                                                allow_negative_indices=False), (0,))
+            self.env[v] = val
         return val
 
     def _bind(self, eqn, invals):

@@ -33,9 +33,9 @@ all-reduce 2(n-1)/n S/B + 2(n-1)a, all-gather / reduce-scatter / all-to-all
 (n-1)/n S/B + (n-1)a, S the full (gathered / unreduced) buffer.
 
 Memory per device: arguments + results + the peak over program order of live
-intermediates that XLA materialises (outputs of contractions, reductions and
-of elementwise chains that feed one; elementwise temporaries consumed only
-by elementwise ops are assumed fused) + gathered copies (all gathered
+intermediates that XLA materialises (outputs of contractions, reductions,
+and of elementwise ops read by a non-elementwise op or by more than one op;
+an elementwise result read by one elementwise op is assumed fused into it) + gathered copies (all gathered
 weights, which live from forward to backward, and the largest other one).
 """
 
@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxbackend.sharding._graph import REPLICATED, UNMAPPED
+from jaxbackend.sharding._graph import REPLICATED
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 PREFER_IN_PLACE = 0.9
-FUSE_WINDOW = 10**9
+FUSE_MAX_USES = 1   # an elementwise result read by one elementwise op is fused into it
 
 
 class CostModel:
@@ -258,7 +258,7 @@ class CostModel:
             if op.kind == "map":
                 for v, _ in op.outs:
                     if (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
-                            and g.uses[v] - i <= FUSE_WINDOW):
+                            and len(consumers.get(v, ())) <= FUSE_MAX_USES):
                         fused.add(v)
         groups: dict = {}
         self.fixed_groups = []   # (keys, nbytes, count) of arguments + results

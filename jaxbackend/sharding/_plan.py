@@ -200,7 +200,7 @@ def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None, trans
     The plan of the latest call is at `.plan`."""
     cache = {}
 
-    def call(*args):
+    def planned(args):
         key = jax.tree.structure(args), tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
                                               for x in jax.tree.leaves(args))
         if key not in cache:
@@ -208,14 +208,11 @@ def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None, trans
                          profile=profile, transform=transform)
             cache[key] = (p, p.jit())
         call.plan, f = cache[key]
-        return f(*args)
+        return f
 
-    def lower(*args):
-        p = plan_for(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget,
-                     profile=profile, transform=transform)
-        call.plan = p
-        return p.jit().lower(*args)
+    def call(*args):
+        return planned(args)(*args)
 
+    call.lower = lambda *args: planned(args).lower(*args)
     call.plan = None
-    call.lower = lower
     return call

@@ -108,19 +108,3 @@ def search(cm, memory_budget=None, batch=4096):
         f"{best_mem / GiB:.3f} GiB per device, budget {budget / GiB:.3f} GiB, short by "
         f"{(best_mem - budget) / GiB:.3f} GiB; raise memory_budget, use more devices, or shrink "
         f"the batch.")
-
-
-def brute_force(cm, memory_budget=None):
-    """Reference: every plan evaluated separately (tests only: slow)."""
-    import itertools
-    budget = cm.mesh.profile.memory if memory_budget is None else float(memory_budget)
-    keys, options = search_space(cm)
-    best = (np.inf, None)
-    for combo in itertools.product(*[list(o) for o in options]):
-        masks = [0] * cm.n_keys
-        for k, m in zip(keys, combo):
-            masks[k] = int(m)
-        r = cm.evaluate(masks)
-        if r["memory"] <= budget and r["time"] < best[0]:
-            best = (r["time"], masks)
-    return best

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-DEFAULTS = dict(steps=300, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-3,
+DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-3,
                 ckpt_every=100, eval_every=100, max_chars=2_000_000, eval_batches=8,
                 sample_chars=300, warmup=30)
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,

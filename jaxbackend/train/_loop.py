@@ -38,7 +38,7 @@ CKPT_NAME = "checkpoint.ckpt"
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 250
     batch: int = 32
     seq: int = 64
     layers: int = 2

@@ -36,7 +36,7 @@ def _n(k):
     return settings(max_examples=k * SCALE, deadline=None)
 
 
-FEW, SOME = _n(8), _n(15)
+FEW, SOME = _n(6), _n(10)
 
 
 # -- construction ---------------------------------------------------------------
@@ -237,7 +237,7 @@ DUNDER = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mu
 
 
 @pytest.mark.parametrize("name", sorted(BINARY))
-@_n(6)
+@_n(4)
 @given(sizes=sizes_st(), rng=rng_st(), data=st.data())
 def test_binary_broadcasts_by_name(name, sizes, rng, data):
     ref_fn, codes = BINARY[name]
@@ -256,7 +256,7 @@ def test_binary_broadcasts_by_name(name, sizes, rng, data):
         assert_same(DUNDER[name](a, b), want, check_order=True)
 
 
-@_n(6)
+@_n(5)
 @given(sizes=sizes_st(hi=3), dims=dims_st(), rng=rng_st(), s=st.floats(0.5, 3.0))
 def test_scalar_operands(sizes, dims, rng, s):
     x, xa = pair(rng, dims, sizes)
@@ -276,7 +276,7 @@ REDUCE = {"sum": "fi", "mean": "fi", "max": "fi", "min": "fi", "prod": "f", "std
 
 
 @pytest.mark.parametrize("name", sorted(REDUCE))
-@_n(8)
+@_n(5)
 @given(sizes=sizes_st(), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
 def test_reductions(name, sizes, dims, rng, data):
     dtype = CODES[data.draw(st.sampled_from(REDUCE[name]))]
@@ -314,7 +314,7 @@ def _softmax_ref(xa, dim, fn):
     return xr.DataArray(fn(xa.values, axis=xa.get_axis_num(dim)), dims=xa.dims)
 
 
-@_n(6)
+@_n(5)
 @given(sizes=sizes_st(hi=3), dims=dims_st(min_size=1), rng=rng_st(), data=st.data())
 def test_softmax_family(sizes, dims, rng, data):
     x, xa = pair(rng, dims, sizes)

@@ -12,7 +12,7 @@ from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 PLANS = {"searched": None, "megatron": MEGATRON, "fsdp": FSDP, "data parallel": DATA_PARALLEL,
-         "dp x embd": dict(batch="data", embd="model"), "replicated": {}}
+         "tensor parallel": dict(mlp="data", kv="model"), "replicated": {}}
 
 
 def _close(out, ref):
@@ -29,18 +29,19 @@ def _dominant(by_kind, total):
 @pytest.fixture(scope="module")
 def compiled(block, mesh24):
     rows = {}
-    for name, rules in PLANS.items():
-        plan = sharding.plan_for(block["step"], *block["args"], mesh=mesh24, rules=rules)
-        f = plan.jit()
+    for name, rules in PLANS.items():   # rules=None: search
+        f = sharding.sharded_jit(block["step"], mesh=mesh24, rules=rules)
         comp = f.lower(*block["args"]).compile()
-        rows[name] = (plan, f, comp)
+        rows[name] = (f.plan, f, comp)
     return rows
 
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_sharded_step_equals_single_device_on_2x4(block, compiled, name):
-    plan, f, _ = compiled[name]
-    _close(f(*block["args"]), block["reference"])
+    plan, _, comp = compiled[name]
+    # Run the very executable whose HLO the other tests read.
+    out = jax.tree.unflatten(plan.out_tree, comp(*jax.tree.leaves(block["args"])))
+    _close(out, block["reference"])
 
 
 @pytest.mark.parametrize("shape", [(8,), (4, 2)])
@@ -50,10 +51,6 @@ def test_sharded_step_equals_single_device(block, shape):
     f = sharding.sharded_jit(block["step"], mesh=mesh)
     _close(f(*block["args"]), block["reference"])
     assert f.plan is not None and f.plan.cost["time"] > 0
-    if len(shape) == 2:
-        g = sharding.sharded_jit(block["step"], mesh=mesh, rules=MEGATRON)
-        _close(g(*block["args"]), block["reference"])
-        assert g.plan.rules["kv"] == "model"
 
 
 @pytest.mark.parametrize("name", list(PLANS))

@@ -3,8 +3,6 @@
 
 import math
 
-import jax
-import numpy as np
 import pytest
 
 from jaxbackend import sharding
