@@ -38,7 +38,3 @@ from jaxbackend.sharding._plan import (
     trace as trace,
 )
 from jaxbackend.sharding._search import NoPlanFits as NoPlanFits
-
-build_graph = build_graph
-hlo_collectives = hlo_collectives
-hlo_memory = hlo_memory

@@ -238,7 +238,6 @@ class CostModel:
     # -- memory --------------------------------------------------------------
     def _memory_setup(self):
         g = self.g
-        n_ops = len(g.ops)
         born = [-1] * len(g.shapes)
         for i, op in enumerate(g.ops):
             for v, _ in op.outs:
@@ -257,14 +256,13 @@ class CostModel:
                     fused.add(v)
             if op.kind == "map":
                 for v, _ in op.outs:
-                    if (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
+                    if v not in g.pinned and (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
                             and len(consumers.get(v, ())) <= FUSE_MAX_USES):
                         fused.add(v)
         groups: dict = {}
-        self.fixed_groups = []   # (keys, nbytes, count) of arguments + results
+        self.fixed_groups = []   # (keys, nbytes) of arguments and results
         for v in set(g.invars) | {v for v in g.outvars if v is not None}:
             self.fixed_groups.append((self.var_keys[v], g.nbytes(v)))
-        rows = []
         events = []
         for v in range(len(g.shapes)):
             if v in g.invars or v in g.outvars or born[v] < 0 or v in fused or not g.shapes[v]:
@@ -296,7 +294,6 @@ class CostModel:
             if not (keep >= r).all(axis=1).any():
                 keep = np.vstack([keep, r])
         self.mem_points = keep if len(keep) else np.zeros((1, len(groups)))
-        self.n_points = n_ops
 
     def extras(self, masks):
         """Per distinct op, per operand: the mesh axes it is gathered over."""

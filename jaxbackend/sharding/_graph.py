@@ -11,11 +11,14 @@ Dim classes come from a union-find over (variable, axis) positions:
 elementwise ops unify equal-sized aligned axes, `transpose`, `broadcast_in_dim`,
 reductions, `squeeze`, `concatenate` map axes, `dot_general` unifies each
 contracting pair, batch triple and free dim with its output axis, the named
-`einsum` unifies axes by name. A `reshape` that merges `(a, b) -> a*b`
-unifies the merged axis with its major factor `a` (sharding `a` in blocks is
-sharding `a*b` in blocks), so `reshape -> matmul -> reshape` keeps the batch
-dim; the minor factors must then be unsharded (`REPLICATED` in the op's
-axis map). A class's shardable size is the gcd of its members' sizes.
+`einsum` unifies axes by name. A `reshape` that merges `(a, b) -> ab`
+records `ab` as the product of the factors `[a, b]`; a later split of `ab`
+with the same factor sizes unifies factor by factor, so `reshape -> matmul
+-> reshape` keeps every dim. A merged dim is sharded as its major factor
+(sharding `a` in blocks is sharding `ab` in blocks): its class takes the
+major factor's key, and a merge whose minor factors are sharded costs a
+gather (`REPLICATED` in the op's axis map). A class's shardable size is the
+gcd of its (unmerged) members' sizes.
 
 Names: axes of NamedArray inputs/outputs and einsum operands carry labels;
 positions with the same label are unified too (a name is one identity), and
@@ -67,6 +70,7 @@ class Graph:
         self.uses: list = []         # var -> index of last op reading it
         self.invars: list = []
         self.outvars: list = []
+        self.pinned: set = set()     # vars that are always materialised (scan results)
 
     # -- variables and union-find ---------------------------------------------
     def new_var(self, aval) -> int:
@@ -334,10 +338,18 @@ def _scan(g, eqn, ins, mult):
             result.append(v)
         else:   # ys: stacked along a new leading axis
             w = g.new_var(x.aval)
+            n = len(g.shapes[w])
+            ins_map = ()
             if v is not None:
                 for a in range(len(g.shapes[v])):
                     g.union(w, a + 1, v, a)
                 g.uses[v] = len(g.ops)
+                ins_map = ((v, tuple(range(1, n))),)
+            # The stacked result is a real buffer (e.g. residuals kept for
+            # the backward scan): produced here, never fused away.
+            g.ops.append(Op("map", mult, g.shapes[w], [(w, a) for a in range(n)], ins_map,
+                            ((w, tuple(range(n))),), (), 0.0))
+            g.pinned.add(w)
             result.append(w)
     for i in range(nk):   # carry in and out are the same dims
         if ins[nc + i] is not None and result[i] is not None:

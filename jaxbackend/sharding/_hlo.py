@@ -4,8 +4,8 @@ Reads `compiled.as_text()` (the optimised, partitioned HLO of one device)
 for collective instructions and sums the bytes of their results, by kind;
 reads `compiled.memory_analysis()` for per-device memory. The cost model's
 predictions are checked against these. Async pairs (`all-reduce-start` /
-`-done`) count once, at the start. A collective inside a `while` body counts
-once per occurrence in the text, not per trip.
+`-done`) count once, at the start. A collective inside a `while` body with
+a known trip count counts once per trip (scan over layers).
 """
 
 from __future__ import annotations
@@ -28,18 +28,39 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
+_COMP = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s*\(")
+_WHILE = re.compile(r"while\(.*?body=(%[\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
 def instructions(hlo_text: str) -> list:
-    """[(kind, result bytes per device, group size)] for each collective."""
-    out = []
+    """[(kind, result bytes per device, group size, executions)] for each
+    collective; `executions` multiplies through `while` loops with a known
+    trip count (a scan over layers runs its body's collectives n times)."""
+    found, loops, comp, entry = [], [], None, None
     for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = _COMP.match(line)
+            if m:
+                comp = m.group(1)
+                if line.startswith("ENTRY"):
+                    entry = comp
+            continue
+        w = _WHILE.search(line)
+        if w:
+            loops.append((comp, w.group(1), int(w.group(2))))
         m = _LINE.search(line)
         if m:
             shape, kind, start = m.groups()
             if start:   # async start returns (operand, result, ...): count the result only
                 parts = _SHAPE.findall(shape)
                 shape = "%s[%s]" % parts[-1] if parts else ""
-            out.append((kind, _bytes(shape), _group_size(line)))
-    return out
+            found.append((comp, kind, _bytes(shape), _group_size(line)))
+    runs = {entry: 1}
+    for _ in range(len(loops)):   # nested loops: propagate until stable
+        for parent, body, n in loops:
+            if parent in runs:
+                runs[body] = runs[parent] * n
+    return [(kind, nbytes, size, runs.get(c, 1)) for c, kind, nbytes, size in found]
 
 
 def _group_size(line: str) -> int:
@@ -60,9 +81,9 @@ def _group_size(line: str) -> int:
 def collectives(hlo_text: str) -> dict:
     """{kind: {'count': n, 'bytes': result bytes per device}} for each kind."""
     out = {k: {"count": 0, "bytes": 0} for k in _KINDS}
-    for kind, nbytes, _ in instructions(hlo_text):
-        out[kind]["count"] += 1
-        out[kind]["bytes"] += nbytes
+    for kind, nbytes, _, runs in instructions(hlo_text):
+        out[kind]["count"] += runs
+        out[kind]["bytes"] += nbytes * runs
     return out
 
 
@@ -71,7 +92,7 @@ def comm_time(hlo_text: str, mesh) -> float:
     (the cost model's formulas applied to what XLA emitted). A group is
     given the slowest link of the mesh-axis groups of its size."""
     total = 0.0
-    for kind, nbytes, n in instructions(hlo_text):
+    for kind, nbytes, n, runs in instructions(hlo_text):
         if n <= 1:
             continue
         cands = [m for m in range(len(mesh.group_size)) if mesh.group_size[m] == n]
@@ -83,7 +104,7 @@ def comm_time(hlo_text: str, mesh) -> float:
             frac, steps = 2 * frac, 2 * steps
         elif kind == "collective-permute":
             frac, steps = 1.0, 1
-        total += frac * full / bw + steps * lat
+        total += runs * (frac * full / bw + steps * lat)
     return total
 
 

@@ -10,7 +10,7 @@ from jaxbackend.models._attention_stack import (init_attention_stack, name_param
 
 
 def _args():
-    x, layers = init_attention_stack(jax.random.key(0), 2, batch=2, time=6, embd=8, head=2, hd=4)
+    x, layers = init_attention_stack(jax.random.key(0), 1, batch=2, time=6, embd=8, head=2, hd=4)
     return name_params(x, layers)
 
 

@@ -74,7 +74,8 @@ def test_scan_body_is_walked_and_multiplied_by_trip_count():
         costs.append(cm.evaluate(masks))
     # Data parallel: the gradient all-reduce bytes are the same either way.
     assert costs[1]["all-reduce"]["bytes"] == pytest.approx(costs[0]["all-reduce"]["bytes"], rel=1e-6)
-    assert costs[1]["compute"] == pytest.approx(costs[0]["compute"], rel=0.1)  # + stacking copies
+    # The scan also stacks residuals and slices weights (real copies) on top.
+    assert costs[0]["compute"] <= costs[1]["compute"] <= 1.25 * costs[0]["compute"]
 
 
 def test_indivisible_dims_are_never_sharded(block):

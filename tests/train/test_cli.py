@@ -21,10 +21,22 @@ def _cmd(*args):
     return [sys.executable, "-m", "jaxbackend", "train", *args]
 
 
-def _env():
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    # One persistent compilation cache for this module's subprocesses: the
+    # killed and the resumed run reuse the uninterrupted run's executables
+    # (same programs), which keeps the test's CPU time down. Numerics are
+    # unaffected: a cached executable is the same compiled program.
+    return str(tmp_path_factory.mktemp("jax-cache"))
+
+
+def _env(cache=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)  # the CLI's own --devices decides
+    if cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 
@@ -33,10 +45,10 @@ def _params(path):
     return leaves
 
 
-def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, jax_cache):
     steps = ["--steps", "60", "--ckpt-every", "10", "--eval-every", "0"]
     full = tmp_path / "full"
-    done = subprocess.run(_cmd(*TINY, *steps, "--out", str(full)), env=_env(), cwd=ROOT,
+    done = subprocess.run(_cmd(*TINY, *steps, "--out", str(full)), env=_env(jax_cache), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     # The uninterrupted run is also the "visibly learns" check of the tiny job.
@@ -46,7 +58,7 @@ def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     steps += ["--sample-chars", "0"]
 
     part = tmp_path / "part"
-    proc = subprocess.Popen(_cmd(*TINY, *steps, "--out", str(part)), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(_cmd(*TINY, *steps, "--out", str(part)), env=_env(jax_cache), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("checkpoint step 20"):
@@ -57,7 +69,7 @@ def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     killed_at = _checkpoint.read_meta(part / "checkpoint.ckpt")["step"]
     assert 20 <= killed_at < 60
 
-    resumed = subprocess.run(_cmd(*TINY, *steps, "--out", str(part), "--resume"), env=_env(),
+    resumed = subprocess.run(_cmd(*TINY, *steps, "--out", str(part), "--resume"), env=_env(jax_cache),
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {part / 'checkpoint.ckpt'} at step {killed_at}" in resumed.stdout
