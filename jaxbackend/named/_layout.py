@@ -50,7 +50,9 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
         if isinstance(i, NamedArray):
             named[d] = i
         elif isinstance(i, slice):
-            basic[k], any_basic = i, any_basic or i != slice(None)
+            # Compare fields by identity: bounds may be tracers (no ==).
+            full = i.start is None and i.stop is None and i.step is None
+            basic[k], any_basic = i, any_basic or not full
         elif jnp.ndim(i) == 0:
             basic[k], any_basic = i, True
             dims[k] = None

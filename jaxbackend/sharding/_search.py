@@ -91,8 +91,9 @@ def search(cm, memory_budget=None, batch=4096):
     flat = total.ravel()
     order = np.argsort(flat, kind="stable")
     best_mem = np.inf
-    for s in range(0, len(order), batch):
-        idx = order[s:s + batch]
+    s, size = 0, 64   # the cheapest plans usually fit: check few first, then more
+    while s < len(order):
+        idx = order[s:s + size]
         masks = _masks_at(cm, keys, options, idx)
         fixed, temp = cm.memory(masks)
         mem = np.broadcast_to(fixed + temp, idx.shape)
@@ -103,6 +104,7 @@ def search(cm, memory_budget=None, batch=4096):
             chosen = [int(m[fits[0]]) for m in masks]
             return chosen, dict(candidates=int(flat.size), searched_keys=[cm.g.key_names[k] for k in keys],
                                 rank=int(s + fits[0]), time=float(flat[i]), memory=float(mem[fits[0]]))
+        s, size = s + size, min(size * 8, batch)
     raise NoPlanFits(
         f"sharding.search: no plan fits the memory budget: the smallest plan needs "
         f"{best_mem / GiB:.3f} GiB per device, budget {budget / GiB:.3f} GiB, short by "

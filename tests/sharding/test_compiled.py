@@ -92,3 +92,25 @@ def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
     for r in rows[1:]:
         assert rows[0][1] <= r[1] * (1 + 1e-12), r[0]
         assert rows[0][2] <= r[2] * (1 + 1e-9), r[0]
+
+
+def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
+    """Layers stacked and run by `lax.scan`: the model walks the body once
+    times the trip count, XLA runs the body's collectives once per trip."""
+    from jaxbackend.models import _block as blk
+
+    params, tokens, targets = block["jnp_args"]
+    args = (blk.name_block_params(blk.stack_block_layers(params)), *blk.name_block_batch(tokens, targets))
+    f = sharding.sharded_jit(block["step"], mesh=mesh24)
+    comp = f.lower(*args).compile()
+    loss, new = jax.tree.unflatten(f.plan.out_tree, comp(*jax.tree.leaves(args)))
+    ref_loss, ref_new = block["reference"]
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    for k, v in new["layers"].items():
+        want = np.stack([np.asarray(layer[k].values) for layer in ref_new["layers"]])
+        np.testing.assert_allclose(np.asarray(v.values), want, rtol=2e-5, atol=2e-6)
+    hlo = _hlo.collectives(comp.as_text())
+    h = sum(v["bytes"] for v in hlo.values())
+    p = sum(f.plan.cost[k]["bytes"] for k in KINDS)
+    assert p == pytest.approx(h, rel=0.25)
+    assert f.plan.cost["memory"] == pytest.approx(_hlo.memory(comp)["total"], rel=0.25)
