@@ -150,13 +150,25 @@ def _complete_statics(fn, static_argnums, static_argnames):
 
 def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
         static_argnames=(), donate_argnums=(), in_shardings=_UNSPECIFIED,
-        out_shardings=_UNSPECIFIED, _transform: Callable | None = None, **jax_jit_kwargs):
+        out_shardings=_UNSPECIFIED, mesh=None, rules=None, memory_budget=None,
+        _transform: Callable | None = None, **jax_jit_kwargs):
     """Like `jax.jit(fn)`, with jaxbackend's passes run on the traced jaxpr.
 
     passes: pass names and/or callables (ClosedJaxpr -> ClosedJaxpr); None
     means `passes.DEFAULT_PIPELINE`, `()` means none. Other arguments mean
     what they mean for `jax.jit` and are passed to it.
+
+    mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). The sharding search
+    picks dim-name rules for it (or `rules=` gives them), and the program
+    compiles with the plan's input/output shardings and a sharding
+    constraint on every named contraction; `fn.plan` is the latest plan.
     """
+    if mesh is not None:
+        return _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
+                        donate_argnums, in_shardings, out_shardings, _transform, jax_jit_kwargs)
+    if rules is not None or memory_budget is not None:
+        raise ValueError("jb.jit: rules= and memory_budget= describe a sharding plan and need "
+                         "mesh=; pass mesh=jax.sharding.Mesh(...) too.")
     static_argnums = _normalize_argnums(static_argnums)
     static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
     static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
@@ -190,3 +202,32 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     jitted.last_report = None   # passes.Report of the most recent trace
     holder.append(jitted)
     return jitted
+
+
+def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
+             donate_argnums, in_shardings, out_shardings, transform, jax_jit_kwargs):
+    """`jb.jit(fn, mesh=...)`: the search plans the jaxpr after every pass but
+    `inline`, so it reads dim names; the named einsums lower by themselves."""
+    given = [name for name, v in [("static_argnums", static_argnums),
+                                  ("static_argnames", static_argnames),
+                                  ("donate_argnums", donate_argnums),
+                                  ("in_shardings", in_shardings is not _UNSPECIFIED),
+                                  ("out_shardings", out_shardings is not _UNSPECIFIED),
+                                  *jax_jit_kwargs.items()] if v]
+    if given:
+        raise ValueError(
+            f"jb.jit(mesh=...) does not take {', '.join(given)}: the plan sets the shardings; "
+            f"close over static values with functools.partial, or drop mesh= to use them.")
+    from jaxbackend import sharding  # the sharding stage is only loaded when used
+
+    chosen = [(n, f) for n, f in _pipeline.resolve(passes) if n != "inline"]
+
+    def planned_passes(closed):
+        for _, f in chosen:
+            closed = f(closed)
+        return transform(closed) if transform is not None else closed
+
+    out = sharding.sharded_jit(fn, mesh=mesh, rules=rules, memory_budget=memory_budget,
+                               transform=planned_passes)
+    out.passes = tuple(n for n, _ in chosen)
+    return out

@@ -127,3 +127,40 @@ def test_static_argname_passed_by_position_and_static_argnum_by_name():
         assert g(x, 3).shape == (3,) and g(x, n=3).shape == (3,)
         assert g(x, 4).shape == (4,)
     assert by_name.__name__ == "f"
+
+
+def _mesh_setup():
+    from jax.sharding import AxisType
+
+    from jaxbackend.models import _attention_stack as A
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    x, layers = A.init_attention_stack(jax.random.key(0), 1, batch=8, time=8)
+    nx_x, nx_layers = A.name_params(x, layers)
+    vg = jax.value_and_grad(lambda x, L: A.named_attention_stack(x, L)[0], argnums=1)
+    return mesh, vg, (nx_x, nx_layers)
+
+
+@pytest.mark.parametrize("rules", [None, {"batch": "data", "head": "model"}])
+def test_jit_with_mesh_matches_single_device(rules):
+    mesh, vg, args = _mesh_setup()
+    f = jb.jit(vg, mesh=mesh, rules=rules)
+    v, g = f(*args)
+    v0, g0 = jax.jit(vg)(*args)
+    assert f.plan is not None and "inline" not in f.passes
+    if rules is not None:
+        assert {d: a for d, a in f.plan.rules.items() if a} == rules
+    np.testing.assert_allclose(v, v0, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))))
+    # the gradient of a weight comes back sharded as the plan's rules say
+    spec = tuple(g[0]["wq"].values.sharding.spec) + (None,) * 3
+    assert spec[:3] == tuple(f.plan.rules.get(d) for d in ("embd", "head", "hd"))
+
+
+def test_jit_sharding_arguments_need_mesh():
+    with pytest.raises(ValueError, match="need mesh="):
+        jb.jit(lambda x: x, rules={"batch": "data"})
+    mesh, vg, _ = _mesh_setup()
+    with pytest.raises(ValueError, match="does not take static_argnums"):
+        jb.jit(vg, mesh=mesh, static_argnums=(0,))
