@@ -42,7 +42,7 @@ def main(tiny: bool) -> None:
     closed = jax.make_jaxpr(grad)(params, tokens, targets)
     after, report = passes.run_pipeline(closed)
     print(report)
-    check = testing.assert_pass_preserves(None, loss, params, tokens, targets)
+    check = testing.assert_pass_preserves(None, loss, params, tokens, targets, grads=not tiny)
     print("pipeline preserves numerics:", check)
 
     mesh = sharding.auto_mesh((2, 4), ("data", "model"))

@@ -150,19 +150,24 @@ def _complete_statics(fn, static_argnums, static_argnames):
 
 def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
         static_argnames=(), donate_argnums=(), in_shardings=_UNSPECIFIED,
-        out_shardings=_UNSPECIFIED, mesh=None, rules=None, memory_budget=None,
-        _transform: Callable | None = None, **jax_jit_kwargs):
+        out_shardings=_UNSPECIFIED, reroll: bool | int = True, mesh=None, rules=None,
+        memory_budget=None, _transform: Callable | None = None, **jax_jit_kwargs):
     """Like `jax.jit(fn)`, with jaxbackend's passes run on the traced jaxpr.
 
     passes: pass names and/or callables (ClosedJaxpr -> ClosedJaxpr); None
     means `passes.DEFAULT_PIPELINE`, `()` means none. Other arguments mean
     what they mean for `jax.jit` and are passed to it.
 
+    reroll: repeated layers are rolled into `scan` (compile time flat in
+    depth) from `passes.REROLL_MIN_REPEATS` repeats; an int changes that
+    minimum, False switches the pass off.
+
     mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). The sharding search
     picks dim-name rules for it (or `rules=` gives them), and the program
     compiles with the plan's input/output shardings and a sharding
     constraint on every named contraction; `fn.plan` is the latest plan.
     """
+    passes = _pipeline.configure(passes, reroll=reroll)
     if mesh is not None:
         return _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
                         donate_argnums, in_shardings, out_shardings, _transform, jax_jit_kwargs)

@@ -101,6 +101,13 @@ class GPT(nnx.Module):
         return nll.mean()
 
 
+@nnx.jit
+def _next_logits(model, window, pos):
+    # Module level, so repeated `generate` calls reuse one compiled program.
+    logits = model(window[None, :]).values[0]
+    return jax.lax.dynamic_index_in_dim(logits, pos, 0, keepdims=False)
+
+
 def generate(model: GPT, prompt, steps: int, *, key, temperature: float = 1.0) -> list:
     """Sample `steps` tokens after `prompt` (a list of ints); returns the new ids.
 
@@ -110,21 +117,17 @@ def generate(model: GPT, prompt, steps: int, *, key, temperature: float = 1.0) -
     """
     n = model.config.seq_len
     model.eval()
-
-    @nnx.jit
-    def next_logits(model, window, pos):
-        logits = model(window[None, :]).values[0]
-        return jax.lax.dynamic_index_in_dim(logits, pos, 0, keepdims=False)
-
     ids = list(prompt) or [0]
     out = []
-    for _ in range(steps):
-        ctx = ids[-n:]
-        window = jnp.asarray(ctx + [0] * (n - len(ctx)), jnp.int32)
-        logits = next_logits(model, window, len(ctx) - 1)
-        key, sub = jax.random.split(key)
-        nxt = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
-        ids.append(nxt)
-        out.append(nxt)
-    model.train()
+    try:
+        for _ in range(steps):
+            ctx = ids[-n:]
+            window = jnp.asarray(ctx + [0] * (n - len(ctx)), jnp.int32)
+            logits = _next_logits(model, window, len(ctx) - 1)
+            key, sub = jax.random.split(key)
+            nxt = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
+            ids.append(nxt)
+            out.append(nxt)
+    finally:
+        model.train()
     return out

@@ -23,6 +23,11 @@ from jaxbackend.passes.inline import inline_calls as inline_calls
 from jaxbackend.passes.pipeline import (
     DEFAULT_PIPELINE as DEFAULT_PIPELINE,
     PASSES as PASSES,
+    REROLL_MIN_REPEATS as REROLL_MIN_REPEATS,
     Report as Report,
+    configure as configure,
     run_pipeline as run_pipeline,
 )
+from jaxbackend.passes.reroll import RerollStats as RerollStats
+from jaxbackend.passes.reroll import reroll as reroll
+from jaxbackend.passes.reroll import reroll_with_stats as reroll_with_stats

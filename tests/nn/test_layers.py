@@ -108,6 +108,20 @@ def test_attention_matches_positional(kv_heads, rotary):
         assert named.key.kernel.get_metadata("dims") == ("embd", "kv_head", "hd")
 
 
+def test_equivalence_check_catches_a_wrong_weight_map():
+    named, ref, to_ref = _attn_pair(2, False)
+
+    def wrong(p):  # kv heads laid out (hd, kv_head) instead of (kv_head, hd)
+        out = to_ref(p)
+        k = p["key"]["kernel"]
+        out["k"]["kernel"] = jnp.swapaxes(k, 1, 2).reshape(k.shape[0], -1)
+        return out
+
+    x = _x((2, 6, 16), ("batch", "time", "embd"), seed=3)
+    with pytest.raises(AssertionError, match="module output"):
+        testing.assert_modules_match(named, ref, wrong, (x,), reference_inputs=(x.values,))
+
+
 def test_attention_is_causal():
     attn = nn.MultiHeadAttention(16, 4, kv_heads=2, rotary=True, rngs=nnx.Rngs(0))
     x = _x((1, 6, 16), ("batch", "time", "embd"))

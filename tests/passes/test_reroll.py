@@ -15,7 +15,7 @@ import pytest
 from jaxbackend import _jax
 from jaxbackend.models import _attention_stack as attn
 from jaxbackend.models import _transformer as T
-from jaxbackend.passes import reroll as R
+from jaxbackend.passes.reroll import reroll, reroll_with_stats
 from tests.passes._programs import check_pass, rand
 
 SMALL = dict(batch=1, seq=4, d=16, heads=2, mlp=32)
@@ -62,7 +62,7 @@ def test_transformer_value_and_grad_rolls_into_forward_and_reverse_scan(argnums,
     # forward and backward blocks differ from the others and stay unrolled
     closed, leaves = _vg_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]),
                                _transformer(3), argnums)
-    out, stats = R.reroll_with_stats(closed)
+    out, stats = reroll_with_stats(closed)
     _jax.check_closed_jaxpr(out)
     scans = _scans(out)
     assert len(scans) == 2 and stats.repeats == [rolled, rolled]
@@ -81,7 +81,7 @@ def test_transformer_value_and_grad_rolls_into_forward_and_reverse_scan(argnums,
 def test_reroll_passes_the_common_pass_checks():
     # type-checks, before == after (forward, value_and_grad, grad), idempotent
     ws = _chain_ws(3)
-    fwd, vg = check_pass(R.reroll, lambda x, ws: _chain(x, ws)[0], (rand(7, 3, 6), ws),
+    fwd, vg = check_pass(reroll, lambda x, ws: _chain(x, ws)[0], (rand(7, 3, 6), ws),
                          argnums=tuple(range(7)))
     assert [s.params["length"] for s in _scans(fwd)] == [3]
     assert [s.params["length"] for s in _scans(vg)] == [3, 3]
@@ -90,7 +90,7 @@ def test_reroll_passes_the_common_pass_checks():
 def test_rolled_equals_hand_written_scan():
     x, layers = _transformer(3)
     closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
-    got = _run(R.reroll(closed), jax.tree.leaves((x, layers)))
+    got = _run(reroll(closed), jax.tree.leaves((x, layers)))
     want = jax.jit(lambda x, s: T.scan_transformer(x, s, SMALL["heads"]))(x, T.stack_layers(layers))
     _close(want, got)
 
@@ -100,7 +100,7 @@ def test_named_attention_grad_rolls_and_keeps_dim_names_in_the_body():
                                           head=2, hd=4)
     nx_x, nx_layers = attn.name_params(x, layers)
     closed, leaves = _vg_jaxpr(attn.named_attention_stack, (nx_x, nx_layers), "all")
-    out, stats = R.reroll_with_stats(closed)
+    out, stats = reroll_with_stats(closed)
     assert stats.repeats == [2, 2]
     body = _scans(out)[0].params["jaxpr"].jaxpr
     einsums = [e for e in body.eqns if e.primitive.name == "einsum"]
@@ -133,7 +133,7 @@ def _chain_ws(n, widths=None):
 def _check_chain(fn, ws, expect_repeats):
     x = rand(7, 3, 6)
     closed, leaves = _vg_jaxpr(fn, (x, ws), "all")
-    out, stats = R.reroll_with_stats(closed)
+    out, stats = reroll_with_stats(closed)
     assert stats.repeats == expect_repeats
     if not expect_repeats:
         assert out is closed
@@ -160,7 +160,7 @@ def test_dropout_key_differing_per_layer_is_not_rolled():
     fn = lambda x, ws: _chain(x, ws, key=key)  # noqa: E731
     ws, x = _chain_ws(4), rand(7, 3, 6)
     fwd = jax.make_jaxpr(lambda x, ws: fn(x, ws)[0])(x, ws)
-    assert R.reroll(fwd) is fwd          # forward blocks differ in the folded literal
+    assert reroll(fwd) is fwd          # forward blocks differ in the folded literal
     # with grads: the forward stays unrolled (4 fold_ins at top level); the
     # backward blocks read only the masks, not the keys, so they are truly
     # identical and may roll
@@ -180,23 +180,23 @@ def test_parallel_look_alike_equations_are_not_a_loop():
     # but none feeds the next: no scan
     x, layers = _transformer(1)
     closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
-    assert R.reroll(closed) is closed
+    assert reroll(closed) is closed
 
 
 def test_min_repeats():
     x, layers = _transformer(3)
     closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
-    assert R.reroll(closed, min_repeats=4) is closed
-    assert _scans(R.reroll(closed, min_repeats=3))[0].params["length"] == 3
+    assert reroll(closed, min_repeats=4) is closed
+    assert _scans(reroll(closed, min_repeats=3))[0].params["length"] == 3
     with pytest.raises(ValueError, match="min_repeats=1"):
-        R.reroll(closed, min_repeats=1)
+        reroll(closed, min_repeats=1)
 
 
 def test_weight_gradients_are_unstacked_without_constant_offset_slices():
     # each per-layer result is read with a runtime index, so XLA compiles one
     # slicing kernel per shape instead of one per layer
     closed, leaves = _vg_jaxpr(_chain, (rand(7, 3, 6), _chain_ws(6)), "all")
-    out = R.reroll(closed)
+    out = reroll(closed)
     assert not [e for e in out.jaxpr.eqns if e.primitive.name == "slice"
                 and e.invars[0].aval.shape[:1] == (6,)]
     hlo = jax.jit(_jax.jaxpr_as_fun(out)).lower(*leaves).compile().as_text()

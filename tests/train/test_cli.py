@@ -81,6 +81,13 @@ def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, jax_cac
         _checkpoint.read_meta(full / "checkpoint.ckpt")["history"]
 
 
+@pytest.fixture(autouse=True)
+def _keep_xla_flags(monkeypatch):
+    # `main(--devices N)` rewrites XLA_FLAGS for its own process; in-process
+    # calls must not leak that into later tests' subprocesses.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+
+
 def _run_main(args, capsys):
     code = _cli.main(args)
     err = capsys.readouterr().err.strip()
