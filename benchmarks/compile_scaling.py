@@ -125,24 +125,11 @@ REROLL_INTRO = """\
 stack sits on a differentiated embedding) of the issue-4 pre-LayerNorm transformer
 (B=2, S=16, D=64, 4 heads, MLP 256 gelu; `jaxbackend/models/_transformer.py`) and of the
 named causal attention stack (B,T,E,H,HD = 4,32,64,4,16). Three columns, one run, fresh
-closures, interleaved: plain `jax.jit` of the Python for-loop (unrolled), `jb.jit(f,
-passes=(reroll, *default pipeline))` on the same for-loop function, and a hand-written
+closures, interleaved: plain `jax.jit` of the Python for-loop (unrolled), `jb.jit(f)`
+(default pipeline: `reroll` first, from 4 repeated layers) on the same for-loop function, and a hand-written
 `jax.lax.scan` over stacked weights. Seconds: medians of the runs (the unrolled
 transformer: one run at 16 and 32 layers, none at 64, see below). The machine is shared
 with other jobs: absolute seconds are noisy, ratios come from interleaved runs."""
-
-def _reroll_passes():
-    """`reroll` first, then the rest of the default pipeline.
-
-    First, because the other passes then work on the rolled program (one
-    layer body instead of 64: measured 1.9 s instead of 3.8 s of passes at 32
-    layers), and because cleanup run first perturbs the edge layers (with
-    `reroll` after `dce`, 56 of 64 blocks rolled instead of 64)."""
-    from jaxbackend.passes import DEFAULT_PIPELINE
-    from jaxbackend.passes.reroll import reroll
-
-    return (reroll,) + tuple(p for p in DEFAULT_PIPELINE if p != "reroll")
-
 
 def _transformer_fns(n):
     """(args_loop, args_scan, loss_loop, loss_scan) for the issue-4 transformer."""
@@ -198,7 +185,6 @@ def _step_time(compiled, args, number=20, repeat=5):
 def _measure_reroll_model(label, make, depths, repeat, unrolled_max, unrolled_repeat_max, runtime_at):
     import jaxbackend as jb
 
-    passes = _reroll_passes()
     rows, data = [], {}
     for n in depths:
         s = {k: [] for k in ("unrolled", "jb", "scan")}
@@ -210,7 +196,7 @@ def _measure_reroll_model(label, make, depths, repeat, unrolled_max, unrolled_re
                 cols.append("unrolled")
             for col in (cols if r % 2 == 0 else cols[::-1]):
                 if col == "jb":
-                    f = jb.jit(_vg(loop_fn), passes=passes)
+                    f = jb.jit(_vg(loop_fn))  # default pipeline: reroll first
                     t0 = time.perf_counter()
                     lowered = f.lower(*args_loop)
                     t1 = time.perf_counter()
