@@ -35,6 +35,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import _report  # noqa: E402
+from jaxbackend import nn  # noqa: E402
 from jaxbackend.jit import jit as jb_jit  # noqa: E402
 from jaxbackend.models import GPT, GPTConfig  # noqa: E402
 
@@ -46,13 +47,7 @@ def build(cfg, dtype, batch, seed=0):
 
 
 def functional_step(model, tx, jit):
-    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(pstate)
-
-    def loss_fn(params, x, y):
-        st = jax.tree.map(lambda v: v, pstate)
-        nnx.replace_by_pure_dict(st, params)
-        return nnx.merge(graphdef, st, rest).loss(x, y)
+    params, loss_fn = nn.functional(model, "loss")
 
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

@@ -27,13 +27,8 @@ def main(tiny: bool) -> None:
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layers=1, embd=32, heads=4) if tiny else \
         GPTConfig(vocab_size=128, seq_len=64, n_layers=4, embd=128, heads=4)
     model = GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(pstate)
-
-    def loss(params, tokens, targets):
-        st = jax.tree.map(lambda v: v, pstate)
-        nnx.replace_by_pure_dict(st, params)
-        return nnx.merge(graphdef, st, rest).loss(tokens, targets)
+    params, loss = nn.functional(model, "loss")
+    pstate = nnx.state(model, nnx.Param)  # dims metadata, for the sharding specs
 
     tokens = jax.random.randint(jax.random.key(1), (8, cfg.seq_len), 0, cfg.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)

@@ -18,6 +18,7 @@ from jaxbackend.nn._layers import RMSNorm as RMSNorm
 from jaxbackend.nn._params import annotate_logical_axes as annotate_logical_axes
 from jaxbackend.nn._params import check_divisible as check_divisible
 from jaxbackend.nn._params import flax_logical_axis_rules as flax_logical_axis_rules
+from jaxbackend.nn._params import functional as functional
 from jaxbackend.nn._params import named as named
 from jaxbackend.nn._params import param_dims as param_dims
 from jaxbackend.nn._params import partition_specs as partition_specs

@@ -181,3 +181,20 @@ def annotate_logical_axes(module: nnx.Module) -> nnx.Module:
         if _is_var(v) and v.get_metadata("dims", None) is not None:
             v.set_metadata(out_sharding=tuple(v.get_metadata("dims")))
     return module
+
+
+def functional(model: nnx.Module, method: str = "loss"):
+    """`(params, fn)`: the model's parameters as a pure dict of arrays and
+    `fn(params, *args)` calling `model.<method>(*args)` with those params.
+
+    For `jax.value_and_grad`, optax and `jb.jit`, which want functions of
+    plain pytrees; the model's non-parameter state is closed over as is.
+    """
+    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
+
+    def fn(params, *args):
+        state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
+        nnx.replace_by_pure_dict(state, params)
+        return getattr(nnx.merge(graphdef, state, rest), method)(*args)
+
+    return nnx.to_pure_dict(pstate), fn

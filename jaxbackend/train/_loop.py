@@ -142,13 +142,8 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
     train_ids, val_ids = _data.split(ids)
     baseline = _data.unigram_baseline(train_ids, val_ids)
     model = GPT(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
-    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(pstate)
-
-    def loss_fn(params, x, y):
-        st = jax.tree.map(lambda v: v, pstate)
-        nnx.replace_by_pure_dict(st, params)
-        return nnx.merge(graphdef, st, rest).loss(x, y)
+    params, loss_fn = nn.functional(model, "loss")
+    pstate = nnx.state(model, nnx.Param)  # dims metadata, for sharding specs
 
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
@@ -227,9 +222,8 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
     val = val_history[-1][1]
     log(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
         f"({'below' if val < baseline else 'NOT below'} by {baseline - val:.3f})")
-    st = jax.tree.map(lambda v: v, pstate)
-    nnx.replace_by_pure_dict(st, jax.device_get(params))
-    model = nnx.merge(graphdef, st, rest)
+    nnx.replace_by_pure_dict(pstate, jax.device_get(params))
+    nnx.update(model, pstate)
     sample = ""
     if cfg.sample_chars:
         prompt = val_ids[: cfg.seq // 2].tolist()
