@@ -16,7 +16,6 @@ import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 Primitive = jex_core.Primitive
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -44,10 +43,6 @@ def register_bilinear_ad(prim: Primitive, lhs_transpose, rhs_transpose) -> None:
     transposed is an `UndefinedPrimal` carrying `.aval`.
     """
     ad.defbilinear(prim, lhs_transpose, rhs_transpose)
-
-
-def is_undefined_primal(x) -> bool:
-    return ad.is_undefined_primal(x)
 
 
 def register_batching(prim: Primitive, rule) -> None:
@@ -78,7 +73,6 @@ def register_lowering_from_fun(prim: Primitive, fun) -> None:
 # ---------------------------------------------------------------------------
 
 DropVar = jex_core.DropVar
-new_jaxpr_eqn = jex_core.new_jaxpr_eqn
 
 # The `jit` primitive (named "pjit" before JAX 0.7) and the other call
 # primitives whose body is a plain sub-jaxpr that may be inlined.
@@ -173,7 +167,6 @@ jaxprs_in_params = jex_core.jaxprs_in_params
 
 # --- passes.reroll (helper E) -------------------------------------------------
 # JAX 0.10: `DropVar` (an unused equation output) is public in jax.extend.core.
-DropVar = jex_core.DropVar
 
 
 def bind_eqn(eqn, invals):
@@ -204,9 +197,5 @@ def eval_jaxpr_hooked(jaxpr, consts, args, hook):
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
-        outs = list(ans) if eqn.primitive.multiple_results else [ans]
-        env.update(zip(eqn.outvars, hook(eqn, outs)))
+        env.update(zip(eqn.outvars, hook(eqn, bind_eqn(eqn, [read(v) for v in eqn.invars]))))
     return [read(v) for v in jaxpr.outvars]

@@ -25,11 +25,12 @@ derivative calls are kept by `inline`, so their rules still apply);
 `jb.jit(jax.grad(f))` runs the passes on the AD jaxpr, named backward
 einsums included.
 
-Internal hook for the sharding stage (not public API yet): `jit(...,
-in_shardings=, out_shardings=)` pass through to `jax.jit`, and
-`_transform=fn` (ClosedJaxpr -> ClosedJaxpr, run after the pipeline) lets a
-caller insert sharding constraints or any other rewrite. A later `mesh=` /
-`rules=` argument will compute those two from a search plan.
+Sharding: `jit(..., in_shardings=, out_shardings=)` pass through to
+`jax.jit`; `jit(..., mesh=, rules=)` hands the program to
+`sharding.sharded_jit`, which computes both from a searched (or given) plan
+and constrains the named contractions. `_transform=fn` (ClosedJaxpr ->
+ClosedJaxpr, run after the pipeline) is an internal hook for any other
+rewrite.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). The sharding search
     picks dim-name rules for it (or `rules=` gives them), and the program
     compiles with the plan's input/output shardings and a sharding
-    constraint on every named contraction; `fn.plan` is the latest plan.
+    constraint on every named contraction (layers are not rolled into
+    `scan` under a mesh); `fn.plan` is the latest plan.
     """
     passes = _pipeline.configure(passes, reroll=reroll)
     if mesh is not None:
@@ -212,7 +214,10 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
 def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
              donate_argnums, in_shardings, out_shardings, transform, jax_jit_kwargs):
     """`jb.jit(fn, mesh=...)`: the search plans the jaxpr after every pass but
-    `inline`, so it reads dim names; the named einsums lower by themselves."""
+    `inline` (so it reads dim names; the named einsums lower by themselves)
+    and `reroll`: the plan's sharding constraints go on top-level
+    contractions, which a `scan` body would hide. Under a mesh, layers stay
+    unrolled for now."""
     given = [name for name, v in [("static_argnums", static_argnums),
                                   ("static_argnames", static_argnames),
                                   ("donate_argnums", donate_argnums),
@@ -225,7 +230,7 @@ def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argn
             f"close over static values with functools.partial, or drop mesh= to use them.")
     from jaxbackend import sharding  # the sharding stage is only loaded when used
 
-    chosen = [(n, f) for n, f in _pipeline.resolve(passes) if n != "inline"]
+    chosen = [(n, f) for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll")]
 
     def planned_passes(closed):
         for _, f in chosen:

@@ -188,3 +188,21 @@ def test_reroll_is_on_by_default_and_configurable(reroll, rolled):
 def test_reroll_argument_is_checked():
     with pytest.raises(ValueError, match="reroll=1"):
         jb.jit(lambda x: x, reroll=1)
+
+
+def test_jit_with_mesh_keeps_layers_unrolled_so_every_contraction_is_constrained():
+    from jax.sharding import AxisType
+
+    from jaxbackend.models import _attention_stack as A
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    x, layers = A.init_attention_stack(jax.random.key(0), 5, batch=8, time=8)
+    vg = jax.value_and_grad(lambda x, L: A.named_attention_stack(x, L)[0], argnums=1)
+    f = jb.jit(vg, mesh=mesh, rules={"batch": "data", "head": "model"})
+    assert "reroll" not in f.passes
+    text = f.lower(*A.name_params(x, layers)).as_text()
+    # one constraint per contraction (forward and backward), none hidden in a loop
+    assert "while" not in text
+    assert text.count("sdy.sharding_constraint") == text.count("dot_general") > 5 * 6
+    with pytest.raises(ValueError, match="btach"):
+        jb.jit(vg, mesh=mesh, rules={"btach": "data"})(*A.name_params(x, layers))

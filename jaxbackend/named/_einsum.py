@@ -96,18 +96,14 @@ def _impl(lhs, rhs, **params):
 
 def _transpose_lhs(ct, lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision,
                    preferred_element_type):
-    aval = lhs.aval
-    out = einsum_p.bind(ct, rhs, lhs_dims=out_dims, rhs_dims=rhs_dims, out_dims=lhs_dims,
-                        precision=precision, preferred_element_type=aval.dtype)
-    return out
+    return einsum_p.bind(ct, rhs, lhs_dims=out_dims, rhs_dims=rhs_dims, out_dims=lhs_dims,
+                         precision=precision, preferred_element_type=lhs.aval.dtype)
 
 
 def _transpose_rhs(ct, lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision,
                    preferred_element_type):
-    aval = rhs.aval
-    out = einsum_p.bind(lhs, ct, lhs_dims=lhs_dims, rhs_dims=out_dims, out_dims=rhs_dims,
-                        precision=precision, preferred_element_type=aval.dtype)
-    return out
+    return einsum_p.bind(lhs, ct, lhs_dims=lhs_dims, rhs_dims=out_dims, out_dims=rhs_dims,
+                         precision=precision, preferred_element_type=rhs.aval.dtype)
 
 
 def _fresh_name(taken) -> str:

@@ -57,6 +57,10 @@ def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
             basic[k], any_basic = i, True
             dims[k] = None
         elif jnp.ndim(i) == 1:
+            if jnp.result_type(i) == jnp.bool_:
+                raise _errors.DimError(
+                    f"isel: the indexer for dim {d!r} is boolean; isel takes positions, so pass "
+                    f"the positions of the True entries (np.flatnonzero(mask)) or use nx.where.")
             arrays.append((d, jnp.asarray(i)))
         else:
             raise _errors.DimError(
@@ -99,7 +103,7 @@ def _vectorised(x: NamedArray, named: dict) -> NamedArray:
 
 def rename(x: NamedArray, mapping=None, **kwargs) -> NamedArray:
     """Rename dims: `x.rename(time="time_q")` or `x.rename({"time": "time_q"})`."""
-    m = _kw("rename", mapping, kwargs)
+    m = {d: new for d, new in _kw("rename", mapping, kwargs).items() if d != new}
     for d, new in m.items():
         x.axis(d, "rename")
         if new in x.dims and m.get(new, new) == new:

@@ -136,10 +136,6 @@ def align(op: str, *args):
     return dims, vals
 
 
-def _named(dims, values):
-    return NamedArray(values, dims)
-
-
 def _elementwise(fn, name):
     def op(*args, **kwargs):
         if not any(isinstance(a, NamedArray) for a in args):
@@ -182,7 +178,7 @@ def where(cond, x, y) -> NamedArray:
     transpose of the data it selects from.)
     """
     dims, (xv, yv, cv) = align("where", x, y, cond)
-    if not dims:
+    if not any(isinstance(a, NamedArray) for a in (cond, x, y)):
         return jnp.where(cv, xv, yv)
     return NamedArray(jnp.where(cv, xv, yv), dims)
 
@@ -203,6 +199,10 @@ def _axes(x: NamedArray, dim, op: str) -> tuple:
 
 def _reducer(fn, name):
     def reduce(x: NamedArray, dim=None, **kwargs) -> NamedArray:
+        if "keepdims" in kwargs or "axis" in kwargs:
+            raise _errors.DimError(
+                f"{name}: keepdims/axis are positional ideas; pass dim=<name(s)>, and to keep a "
+                f"reduced dim use .expand_dims(<name>) on the result.")
         axes = _axes(x, dim, name)
         dims = tuple(d for k, d in enumerate(x.dims) if k not in axes)
         return NamedArray(fn(x.values, axis=axes, **kwargs), dims)

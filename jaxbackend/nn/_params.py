@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import named as nx
+from jaxbackend.sharding._mesh import spec_for_dims
 
 
 def param(init, key, sizes: dict, dtype=jnp.float32) -> nnx.Param:
@@ -88,19 +89,6 @@ def normalize_rules(rules) -> dict:
     return out
 
 
-def _spec(dims, rules: dict) -> PartitionSpec:
-    used, entries = set(), []
-    for d in dims:
-        axis = rules.get(d)
-        axes = axis if isinstance(axis, tuple) else (axis,) if axis is not None else ()
-        if any(a in used for a in axes):
-            axis = None  # a mesh axis may shard only one dim of an array
-        else:
-            used.update(axes)
-        entries.append(axis)
-    return PartitionSpec(*entries)
-
-
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -124,7 +112,7 @@ def partition_specs(tree, rules):
         dims = v.get_metadata("dims", None) if _is_var(v) else None
         if dims is None:
             return PartitionSpec()
-        return _spec(dims, r)
+        return spec_for_dims(dims, r)
     return jax.tree.map(one, _state(tree), is_leaf=_is_var)
 
 
@@ -144,10 +132,9 @@ def check_divisible(tree, rules, mesh) -> None:
         dims = v.get_metadata("dims", None) if _is_var(v) else None
         if dims is None:
             continue
-        for d, n in zip(dims, v[...].shape):
-            axis = r.get(d)
-            axes = axis if isinstance(axis, tuple) else (axis,) if axis is not None else ()
-            k = math.prod(mesh.shape[a] for a in axes) if axes else 1
+        for d, n, axis in zip(dims, v[...].shape, spec_for_dims(dims, r)):
+            axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+            k = math.prod(mesh.shape[a] for a in axes)
             if n % k:
                 raise nx.DimError(
                     f"dim {d!r} of parameter {jax.tree_util.keystr(path)} has size {n}, which "

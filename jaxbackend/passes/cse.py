@@ -35,9 +35,9 @@ _NEVER = frozenset({"optimization_barrier", "remat", "checkpoint", "remat2", "ra
 def _atom_key(a):
     if _jax.is_var(a):
         return a
-    val = a.val
-    if np.ndim(val) == 0:
-        return ("lit", str(a.aval), np.asarray(val).item())
+    val = np.asarray(a.val)
+    if val.ndim == 0:  # by bytes: 0.0 and -0.0 (and NaN payloads) are different literals
+        return ("lit", str(a.aval), val.dtype.str, val.tobytes())
     return ("litid", id(a))
 
 

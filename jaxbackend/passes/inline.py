@@ -12,7 +12,9 @@ with fresh variables, at any depth (the sub-jaxpr is flattened first).
 
 Leaves alone: loops, branches and `remat` (rewritten inside, never
 unrolled); calls whose `in_shardings`/`out_shardings` are set (inlining
-would drop the user's sharding; their bodies are still flattened);
+would drop the user's sharding; their bodies are still flattened); a call
+with array constants inside a `remat` body, whose open jaxpr has nowhere to
+put them (the splice declines; the body is still flattened);
 `custom_jvp_call` / `custom_vjp_call` unless `differentiated=True`: inlining
 them before AD would make AD differentiate the primal code instead of the
 custom rule, so they are inlined only where differentiation is done.
@@ -48,8 +50,9 @@ def _call_rule(ctx, eqn):
         body = _jax.ClosedJaxpr(body, ())
     if len(body.jaxpr.invars) != len(eqn.invars):
         return None
+    out = ctx.splice(body, eqn.invars)  # may decline (RewriteDeclined): count after
     ctx.count(f"inlined {eqn.primitive.name}")
-    return ctx.splice(body, eqn.invars)
+    return out
 
 
 def _custom_rule(ctx, eqn):
@@ -58,8 +61,9 @@ def _custom_rule(ctx, eqn):
     # takes as ordinary leading inputs, so operands map onto inputs in order.
     if body is None or len(body.jaxpr.invars) != len(eqn.invars):
         return None
+    out = ctx.splice(body, eqn.invars)
     ctx.count(f"inlined {eqn.primitive.name}")
-    return ctx.splice(body, eqn.invars)
+    return out
 
 
 def _rules(*, einsum: bool, differentiated: bool) -> dict:

@@ -157,3 +157,18 @@ def abstract_mesh(shape, axis_names) -> jax.sharding.AbstractMesh:
     """A device-free mesh of any size, for planning without devices."""
     return jax.sharding.AbstractMesh(tuple(shape), tuple(axis_names),
                                      axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names))
+
+
+def spec_for_dims(dims, rules: dict) -> "jax.sharding.PartitionSpec":
+    """PartitionSpec of a tensor with these dim names under `rules` (dim ->
+    axis | tuple of axes | None). A mesh axis shards at most one dim of a
+    tensor: a later dim keeps only the axes an earlier dim left unused (the
+    per-tensor exception of a plan)."""
+    used, out = set(), []
+    for d in dims:
+        axes = rules.get(d)
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        keep = tuple(a for a in axes if a not in used)
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return jax.sharding.PartitionSpec(*out)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import _jax
 from jaxbackend.named import NamedArray
-from jaxbackend.sharding import _graph, _search
+from jaxbackend.sharding import _graph, _mesh, _search
 from jaxbackend.sharding._cost import KINDS, CostModel
 from jaxbackend.sharding._mesh import MeshSpec
 
@@ -76,14 +76,7 @@ class Plan:
 
     def spec_for_dims(self, dims) -> PartitionSpec:
         """Layout of a tensor with these dim names under the rules."""
-        used, out = set(), []
-        for d in dims:
-            axes = self.rules.get(d)
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            keep = tuple(a for a in axes if a not in used)
-            used.update(keep)
-            out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
-        return PartitionSpec(*out)
+        return _mesh.spec_for_dims(dims, self.rules)
 
     def _sharding(self, spec):
         if self.mesh.mesh is None:
@@ -165,6 +158,10 @@ class Plan:
 
 def _rules_to_masks(cm, mesh, rules):
     g = cm.g
+    unknown = sorted(set(rules) - set(g.key_names))
+    if unknown:
+        raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
+                         f"{sorted(set(g.key_names))}; fix the spelling or drop those rules.")
     masks = [0] * cm.n_keys
     for k, name in enumerate(g.key_names):
         if name in rules:
