@@ -93,29 +93,33 @@ def _is_scalar(x) -> bool:
     return not isinstance(x, NamedArray) and jnp.ndim(x) == 0
 
 
+def _union_sizes(op: str, args) -> dict:
+    """dim -> size over the NamedArrays among `args`, in order of first
+    appearance; one name with two sizes is a DimError naming both arguments."""
+    sizes, first = {}, {}
+    for i, a in enumerate(args):
+        if not isinstance(a, NamedArray):
+            continue
+        a.check_rank(op)
+        for d, n in zip(a.dims, a.shape):
+            j = first.setdefault(d, i)
+            if sizes.setdefault(d, n) != n:
+                raise _errors.size_conflict(
+                    op, d, sizes[d], n, f"argument {j + 1} (dims {_errors.fmt_dims(args[j].dims)})",
+                    f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
+    return sizes
+
+
 def align(op: str, *args):
     """Bring NamedArrays (and scalars) to one dim order; returns (dims, values)."""
-    out: list = []
-    sizes: dict = {}
-    where: dict = {}
     for i, a in enumerate(args):
-        if isinstance(a, NamedArray):
-            a.check_rank(op)
-            for d, n in zip(a.dims, a.shape):
-                if d not in sizes:
-                    sizes[d], where[d] = n, i
-                    out.append(d)
-                elif sizes[d] != n:
-                    j = where[d]
-                    raise _errors.size_conflict(
-                        op, d, sizes[d], n, f"argument {j + 1} (dims {_errors.fmt_dims(args[j].dims)})",
-                        f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
-        elif not _is_scalar(a):
+        if not isinstance(a, NamedArray) and not _is_scalar(a):
             raise _errors.DimError(
                 f"{op}: argument {i + 1} is an unnamed array of shape {tuple(jnp.shape(a))}; "
                 f"name its axes first with nx.as_named(x, dims=(...))."
             )
-    dims = tuple(out)
+    sizes = _union_sizes(op, args)
+    dims = tuple(sizes)
     pos = {d: k for k, d in enumerate(dims)}
     vals = []
     for a in args:
@@ -274,16 +278,7 @@ def _check_operands(op: str, arrays) -> None:
     if not arrays or not all(isinstance(a, NamedArray) for a in arrays):
         raise _errors.DimError(
             f"{op}: every argument must be a NamedArray; wrap arrays with nx.as_named.")
-    sizes, first = {}, {}
-    for i, a in enumerate(arrays):
-        a.check_rank(op)
-        for d, n in zip(a.dims, a.shape):
-            j = first.setdefault(d, i)
-            if sizes.setdefault(d, n) != n:
-                raise _errors.size_conflict(
-                    op, d, sizes[d], n,
-                    f"argument {j + 1} (dims {_errors.fmt_dims(arrays[j].dims)})",
-                    f"argument {i + 1} (dims {_errors.fmt_dims(a.dims)})")
+    _union_sizes(op, arrays)
 
 
 def dot(*arrays: NamedArray, dim=None) -> NamedArray:
