@@ -5,14 +5,26 @@ Pipeline (one subpackage per stage): `named` (front end; contractions are
 `sharding` (cost-model search over dim-name rules) -> `jit` (XLA via jax.jit).
 """
 
+import importlib as _importlib
+
 from jaxbackend import named as named
-from jaxbackend import nn as nn
-from jaxbackend import models as models
-from jaxbackend import testing as testing
 from jaxbackend import passes as passes
-from jaxbackend import sharding as sharding
 from jaxbackend.jit import jit as jit
 from jaxbackend.named import DimError as DimError
 from jaxbackend.named import NamedArray as NamedArray
+
+# Loaded on first use: they import Flax (about 0.8 s), which a named-array
+# or pass-pipeline user does not need at `import jaxbackend`.
+_LAZY = ("nn", "models", "testing", "sharding", "train")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return _importlib.import_module(f"jaxbackend.{name}")
+    raise AttributeError(f"module 'jaxbackend' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __version__ = "0.1.0"
