@@ -70,6 +70,9 @@ class Run:
 # ---------------------------------------------------------------------------
 # signatures
 
+_JAXPR_TYPES = (_jax.ClosedJaxpr, _jax.Jaxpr)
+
+
 class _Canon:
     """Hashable canonical forms of equation parameters (memoised per object)."""
 
@@ -81,6 +84,20 @@ class _Canon:
         if k is None:
             k = self._jaxpr_keys[id(jaxpr)] = (str(jaxpr), jaxpr)  # keep obj alive: id stays unique
         return k[0]
+
+    def params(self, params: dict):
+        """Key of an equation's parameter dict. Fast path: no sub-jaxpr and
+        every value hashable (most equations) -> the sorted items themselves."""
+        if not any(isinstance(v, _JAXPR_TYPES) or (type(v) is tuple and v
+                                                   and isinstance(v[0], _JAXPR_TYPES))
+                   for v in params.values()):
+            key = tuple(sorted(params.items()))
+            try:
+                hash(key)
+                return key
+            except TypeError:
+                pass
+        return self(params)
 
     def __call__(self, x):
         if isinstance(x, _jax.ClosedJaxpr):
@@ -112,7 +129,7 @@ def signatures(eqns) -> list:
             key = ("effects", i)
         else:
             ins = tuple(_literal_key(v) if isinstance(v, _jax.Literal) else v.aval for v in e.invars)
-            key = (e.primitive.name, canon(e.params), ins, tuple(v.aval for v in e.outvars))
+            key = (e.primitive.name, canon.params(e.params), ins, tuple(v.aval for v in e.outvars))
         sigs.append(intern.setdefault(key, len(intern)))
     return sigs
 

@@ -24,23 +24,35 @@ layer weights, once per call); results used outside a scan (the weight
 gradients, returned unstacked as before) are indexed out lazily, only where
 something reads them.
 
+How the result is built (linear in the number of equations): by splicing,
+not re-tracing. Equations outside runs are kept as they are (the same
+equation objects, inputs renamed where needed); each run becomes the
+equations of one traced `lax.scan` call, whose body is one block traced
+once; stacks are one `concatenate` + bitcast reshape and each per-block read
+one `dynamic_slice` at an opaque offset, so XLA compiles one kernel per
+shape, not one per layer. Sub-jaxprs (`jit`, `scan`, `cond`, `while`,
+remat, custom-derivative bodies) are rolled the same way, recursively, once
+per distinct object.
+
 Precondition: a ClosedJaxpr (any; typically the flat jaxpr of a model or of
-its `value_and_grad`). Runs are searched at the top level only.
+its `value_and_grad`).
 Invariant established: same input and output types, same values up to float
 reassociation; afterwards every rolled run of >= `min_repeats` blocks is one
 `scan` equation, and no run of the result has >= `min_repeats` blocks of the
 same kind left (running the pass twice equals running it once).
-Leaves alone: equations outside runs (re-emitted unchanged, in order), blocks
+Leaves alone: equations outside runs (kept unchanged, in order), blocks
 that differ in any parameter, shape, literal or data flow (e.g. a last layer
 of another width, a skip connection across two layers, a per-layer literal
-such as a dropout key folded with the layer index), effectful equations, and
-the inside of sub-jaxprs (`jit`, `scan`, `cond`, ... are compared whole).
+such as a dropout key folded with the layer index), effectful equations, a
+run inside an open sub-jaxpr (remat) whose rolled form would need an array
+constant, and a run that spans a sub-jaxpr boundary.
 When nothing is found the input object is returned unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +60,7 @@ import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
+from jaxbackend.passes import _rewrite
 from jaxbackend.passes._reroll_find import Run, find_runs
 
 __all__ = ["RerollStats", "find_runs", "reroll", "reroll_with_stats"]
@@ -85,92 +98,143 @@ def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2):
     if min_repeats < 2:
         raise ValueError(f"reroll: min_repeats={min_repeats} must be >= 2 (a run of one block "
                          "is not a loop); pass min_repeats=2 or more.")
-    jaxpr = closed_jaxpr.jaxpr
-    stats = RerollStats(eqns_before=len(jaxpr.eqns))
-    runs = find_runs(jaxpr, min_repeats)
-    if not runs:
-        stats.eqns_after = stats.eqns_before
-        _record(stats)
-        return closed_jaxpr, stats
-    stats.runs = []  # filled by the evaluator, with the direction chosen
-    fun = _Evaluator(closed_jaxpr, runs, stats)
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-             for a in closed_jaxpr.in_avals]
-    out = jax.make_jaxpr(fun)(*specs)
+    stats = RerollStats(eqns_before=len(closed_jaxpr.jaxpr.eqns))
+    out = _Splicer(min_repeats, stats).closed(closed_jaxpr)
     stats.eqns_after = len(out.jaxpr.eqns)
-    _record(stats)
-    return out, stats
-
-
-def _record(stats: RerollStats) -> None:
-    """Add counts to the pipeline's stats collector when one is active."""
-    try:
-        from jaxbackend.passes import _rewrite
-    except ImportError:  # the shared traversal is optional for this pass
-        return
     _rewrite.record_stats({"reroll.runs": stats.blocks,
                            "reroll.blocks_rolled": sum(stats.repeats),
                            "reroll.stacked_copies": stats.stacked_copies})
+    return out, stats
 
 
-class _Evaluator:
-    """Re-traces the jaxpr, binding equations outside runs as they are and
-    calling `lax.scan` for each run (so JAX builds the scan equations)."""
+class _Splicer:
+    """Builds the rolled jaxpr by splicing: equations outside runs are kept
+    as they are (only their inputs renamed, no re-trace), each run becomes
+    the equations of one traced `lax.scan` call (plus the stacking it needs),
+    and per-block results are indexed out of their stack where read.
+    Sub-jaxprs (`jit`, `scan`, `cond`, remat, custom-derivative bodies) are
+    rolled recursively, once per distinct object."""
 
-    def __init__(self, closed, runs, stats):
-        self.closed, self.jaxpr, self.stats = closed, closed.jaxpr, stats
+    def __init__(self, min_repeats, stats):
+        self.min_repeats, self.stats, self.memo = min_repeats, stats, {}
+
+    def closed(self, closed):
+        jaxpr = closed.jaxpr
+        rw, outvars = self._walk(jaxpr, closed=True)
+        if rw is None:
+            return closed
+        new = _jax.jaxpr_with(jaxpr, eqns=rw.eqns, outvars=outvars,
+                              constvars=list(jaxpr.constvars) + rw.new_constvars)
+        return _jax.ClosedJaxpr(new, list(closed.consts) + rw.new_consts)
+
+    def _open(self, jaxpr):
+        try:
+            rw, outvars = self._walk(jaxpr, closed=False)
+        except _rewrite.RewriteDeclined:   # would need an array const: leave as is
+            return jaxpr
+        return jaxpr if rw is None else _jax.jaxpr_with(jaxpr, eqns=rw.eqns, outvars=outvars)
+
+    def _sub(self, value):
+        """The rolled version of a sub-jaxpr parameter (same object if unchanged)."""
+        if isinstance(value, tuple):
+            new = tuple(self._sub(v) for v in value)
+            return value if all(a is b for a, b in zip(new, value)) else new
+        if not (_jax.is_closed_jaxpr(value) or _jax.is_open_jaxpr(value)):
+            return value
+        hit = self.memo.get(id(value))
+        if hit is None:
+            new = self.closed(value) if _jax.is_closed_jaxpr(value) else self._open(value)
+            hit = self.memo[id(value)] = (value, new)  # keep value alive: its id stays unique
+        return hit[1]
+
+    def _walk(self, jaxpr, closed):
+        """(Rewriter holding the new equations, new outvars), or (None, None)
+        when neither this jaxpr nor any sub-jaxpr changed."""
+        runs = find_runs(jaxpr, self.min_repeats)
+        rw = _rewrite.Rewriter({}, closed=closed, shared={"memo": {}, "stats": None})
+        walk = _Walk(jaxpr, runs, rw, self.stats)
+        for i, eqn in walk.kept():
+            params = eqn.params
+            if any(_rewrite.has_jaxpr(p) for p in params.values()):
+                new_params = {k: self._sub(p) for k, p in params.items()}
+                if any(new_params[k] is not params[k] for k in params):
+                    eqn = eqn.replace(params=new_params)
+                    rw.changed = True
+            walk.keep(eqn)
+        if not (runs or rw.changed):
+            return None, None
+        return rw, [walk.read(v) for v in jaxpr.outvars]
+
+
+class _Walk:
+    """One pass over one jaxpr's equations: runs replaced, the rest kept."""
+
+    def __init__(self, jaxpr, runs, rw, stats):
+        self.jaxpr, self.rw, self.stats = jaxpr, rw, stats
         self.run_at = {r.start: r for r in runs}
-        self.max_repeats = max(r.repeats for r in runs)
+        self.max_repeats = max((r.repeats for r in runs), default=0)
+        self.env = {}         # old var -> new atom, where they differ
+        self.stacked = {}     # old var -> (stack id, index): a per-block result
+        self.stacks = []      # stack id -> atom of the stacked array
+        self.flat = {}        # stack id -> atom of it reshaped to (n * shape[1], ...)
+        self.starts = {}      # stride -> atoms of opaque int32 scalars 0, stride, 2*stride, ...
 
-    def __call__(self, *args):
-        self.env = {}
-        self.stacked = {}     # var -> (stack id, index)
-        self.stacks = []      # stack id -> array
-        self.indices = None   # opaque int32 scalars 0..max_repeats-1, made on first use
-        self.env.update(zip(self.jaxpr.constvars, self.closed.consts))
-        self.env.update(zip(self.jaxpr.invars, args))
+    def kept(self):
+        """Yield (index, equation) for each equation outside runs, in order,
+        after emitting the scan of every run before it."""
         eqns, i = self.jaxpr.eqns, 0
         while i < len(eqns):
             run = self.run_at.get(i)
             if run is None:
-                self._bind(eqns[i], [self.read(v) for v in eqns[i].invars])
+                yield i, eqns[i]
                 i += 1
             else:
                 self._scan(run)
                 i = run.stop
-        return [self.read(v) for v in self.jaxpr.outvars]
+
+    def keep(self, eqn):
+        invars = [self.read(v) for v in eqn.invars]
+        if any(a is not b for a, b in zip(invars, eqn.invars)):
+            eqn = eqn.replace(invars=invars)
+        self.rw.eqns.append(eqn)
 
     # -- environment ---------------------------------------------------------
     def read(self, v):
-        if isinstance(v, _jax.Literal):
-            return v.val
-        val = self.env.get(v)
-        if val is None:  # a per-block result of a scan: index it out, once
-            sid, idx = self.stacked[v]
-            arr = self.stacks[sid]
-            if self.indices is None:
-                self.indices = _opaque_indices(self.max_repeats, arr)
-            # dynamic_slice (clamped by XLA) + squeeze: two plain equations,
-            # where lax.dynamic_index_in_dim would add a nested jit per read
-            start = (self.indices[idx],) + (0,) * (arr.ndim - 1)
-            val = lax.squeeze(lax.dynamic_slice(arr, start, (1,) + arr.shape[1:],
-                                                allow_negative_indices=False), (0,))
-            self.env[v] = val
-        return val
+        if not _jax.is_var(v):
+            return v
+        new = self.env.get(v)
+        if new is not None:
+            return new
+        loc = self.stacked.get(v)
+        if loc is None:
+            return v               # defined by a kept equation, an input or a const
+        new = self.env[v] = self._index_out(*loc)  # a per-block result read outside its scan
+        return new
 
-    def _bind(self, eqn, invals):
-        for v, x in zip(eqn.outvars, _jax.bind_eqn(eqn, invals)):
-            if not isinstance(v, _jax.DropVar):
-                self.env[v] = x
+    def _index_out(self, sid, idx):
+        """Entry idx of stack sid as an atom: one dynamic_slice at an opaque
+        offset (see `_opaque_indices`), of the stack viewed as rows (once per
+        stack), so every read of one shape is the same XLA kernel."""
+        arr = self.stacks[sid]
+        shape = arr.aval.shape[1:]
+        stride = shape[0] if shape else 1
+        if stride not in self.starts:
+            n = self.max_repeats
+            self.starts[stride] = self.rw.emit(lambda like: _opaque_indices(n, like, stride), [arr])
+        if sid not in self.flat:
+            self.flat[sid] = arr if not shape else self.rw.emit(
+                lambda a: a.reshape((-1,) + a.shape[2:]), [arr], key="reroll.flat")[0]
+        out, = self.rw.emit(functools.partial(_unstack_one, shape),
+                            [self.flat[sid], self.starts[stride][idx]], key=("reroll.unstack", shape))
+        return out
 
     def _register(self, arr, vars_in_array_order):
         sid = len(self.stacks)
         self.stacks.append(arr)
         for idx, v in enumerate(vars_in_array_order):
-            if v is not None and not isinstance(v, _jax.Literal):
+            if _jax.is_var(v):
                 self.stacked.setdefault(v, (sid, idx))
 
-    # -- stacking per-block inputs --------------------------------------------
     def _find_stack(self, vs):
         """(stack id, first index, step) if vs are stack[i0 + step*j]."""
         try:
@@ -184,23 +248,6 @@ class _Evaluator:
             return None
         return sid, i0, step
 
-    def _xs(self, vs, reverse: bool):
-        """Array whose entry t is block j's input, t = j (or n-1-j if reverse)."""
-        n = len(vs)
-        hit = self._find_stack(vs)
-        if hit is not None and (hit[2] == -1) == reverse:
-            sid, i0, step = hit
-            lo = i0 if step == 1 else i0 - (n - 1)
-            arr = self.stacks[sid]
-            self.stats.stacks_reused += 1
-            return arr if (lo == 0 and arr.shape[0] == n) else lax.slice_in_dim(arr, lo, lo + n)
-        order = list(reversed(vs)) if reverse else list(vs)
-        arr = jnp.stack([self.read(v) for v in order])
-        self.stats.stacked_copies += 1
-        self.stats.stacked_copy_bytes += int(np.prod(arr.shape)) * arr.dtype.itemsize
-        self._register(arr, order)
-        return arr
-
     # -- one run ---------------------------------------------------------------
     def _scan(self, run: Run):
         n = run.repeats
@@ -212,14 +259,32 @@ class _Evaluator:
             if hit is not None:
                 reverse = hit[2] == -1
                 break
-        is_xs = set(per_block)
-        consts = {s: self.read(vs[0]) for s, vs in enumerate(run.outside) if s not in is_xs}
-        xs = [self._xs(run.outside[s], reverse) for s in per_block]
-        xs_pos = {s: t for t, s in enumerate(per_block)}
-        init = [self.read(v) for v in run.carry_init]
+        # operands of the traced scan call, and how each xs entry is made
+        args, const_pos, xs_plan, copies = [], {}, [], []
+        for s, vs in enumerate(run.outside):
+            if s not in set(per_block):
+                const_pos[s] = len(args)
+                args.append(self.read(vs[0]))
+        for s in per_block:
+            vs = run.outside[s]
+            hit = self._find_stack(vs)
+            if hit is not None and (hit[2] == -1) == reverse:
+                sid, i0, step = hit
+                lo = i0 if step == 1 else i0 - (n - 1)
+                xs_plan.append(("reuse", len(args), lo))
+                args.append(self.stacks[sid])
+                self.stats.stacks_reused += 1
+            else:
+                order = list(reversed(vs)) if reverse else list(vs)
+                xs_plan.append(("copy", len(args), len(order)))
+                copies.append(order)
+                args.extend(self.read(v) for v in order)
+        init_pos = len(args)
+        args.extend(self.read(v) for v in run.carry_init)
         block = [self.jaxpr.eqns[run.start + r] for r in range(run.period)]
+        xs_pos = {s: t for t, s in enumerate(per_block)}
 
-        def body(carry, xs_t):
+        def body(consts, carry, xs_t):
             local = {}
             for r, eqn in enumerate(block):
                 vals = []
@@ -241,13 +306,33 @@ class _Evaluator:
             ys = [local[slot] for slot in run.ys_slots] + [carry[c] for c in run.carry_ys]
             return new_carry, ys
 
-        final, ys = lax.scan(body, init, xs, length=n, reverse=reverse)
+        def rolled(*a):
+            consts = {s: a[p] for s, p in const_pos.items()}
+            xs, made = [], []
+            for kind, p, m in xs_plan:
+                if kind == "reuse":
+                    arr = a[p]
+                    xs.append(arr if (m == 0 and arr.shape[0] == n) else lax.slice_in_dim(arr, m, m + n))
+                else:
+                    xs.append(_stack(a[p:p + m]))
+                    made.append(xs[-1])
+            final, ys = lax.scan(functools.partial(body, consts), list(a[init_pos:]), xs,
+                                 length=n, reverse=reverse)
+            return list(final) + list(ys) + made
+
+        outs = self.rw.emit(rolled, args)
+        final = outs[:len(run.carry_slots)]
+        ys = outs[len(final):len(outs) - len(copies)]
+        for arr, order in zip(outs[len(outs) - len(copies):], copies):
+            self.stats.stacked_copies += 1
+            self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
+            self._register(arr, order)
         self.stats.runs.append((run.start, run.period, n, reverse))
         pos = (lambda j: n - 1 - j) if reverse else (lambda j: j)
         out_var = lambda j, slot: self.jaxpr.eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]  # noqa: E731
         for c, slot in enumerate(run.carry_slots):
             v = out_var(n - 1, slot)
-            if not isinstance(v, _jax.DropVar):
+            if not _jax.is_dropvar(v):
                 self.env[v] = final[c]
         for arr, slot in zip(ys, run.ys_slots):
             order = [None] * n
@@ -262,8 +347,30 @@ class _Evaluator:
             self._register(arr, order)
 
 
-def _opaque_indices(n: int, like):
-    """Scalars 0..n-1 whose values XLA cannot see at compile time.
+def _stack(xs):
+    """jnp.stack(xs), as one concatenate along the existing leading axis and a
+    reshape (a bitcast): one XLA op per stack instead of one reshape per
+    element, which XLA:CPU compiles for ~1 ms each (768 for 64 layers)."""
+    shape = xs[0].shape
+    if not shape:
+        return jnp.stack(xs)
+    return lax.concatenate(list(xs), 0).reshape((len(xs),) + shape)
+
+
+def _unstack_one(shape, flat, start):
+    """Entry i of a stack of n arrays of `shape`, given the stack as `flat`
+    (n * shape[0], *shape[1:]) and the runtime scalar start = i * shape[0]:
+    one dynamic_slice, no squeeze op (see `_stack`)."""
+    if not shape:  # a stack of scalars: flat is the stack itself, start = i
+        row = lax.dynamic_slice(flat, (start,), (1,), allow_negative_indices=False)
+        return row.reshape(())
+    return lax.dynamic_slice(flat, (start,) + (0,) * (len(shape) - 1), shape,
+                             allow_negative_indices=False)
+
+
+def _opaque_indices(n: int, like, stride: int = 1):
+    """Scalars 0, stride, ..., (n-1)*stride whose values XLA cannot see at
+    compile time.
 
     Unstacking a scan's output into per-layer results (the weight gradients
     the caller expects) takes one slice per layer. With constant offsets each
@@ -275,11 +382,11 @@ def _opaque_indices(n: int, like):
     times (its trip count is a value XLA cannot know: whether `like`'s first
     element is NaN) and whose body would leave them unchanged anyway (it adds
     the counter, 0, on its only possible iteration), so the values are always
-    0..n-1; the loop costs a few microseconds per call.
+    i * stride; the loop costs a few microseconds per call.
     """
     first = lax.index_in_dim(like.reshape(-1), 0, keepdims=False)
     trips = (first != first).astype(jnp.int32)
-    init = (jnp.int32(0), tuple(jnp.int32(i) for i in range(n)))
+    init = (jnp.int32(0), tuple(jnp.int32(i * stride) for i in range(n)))
     _, idx = lax.while_loop(lambda c: c[0] < trips,
                             lambda c: (c[0] + 1, tuple(x + c[0] for x in c[1])), init)
     return idx

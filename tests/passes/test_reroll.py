@@ -201,3 +201,31 @@ def test_weight_gradients_are_unstacked_without_constant_offset_slices():
                 and e.invars[0].aval.shape[:1] == (6,)]
     hlo = jax.jit(_jax.jaxpr_as_fun(out)).lower(*leaves).compile().as_text()
     assert hlo.count("dynamic-slice(") >= 1
+
+
+def test_equations_outside_runs_are_kept_not_retraced():
+    # the pass splices: every equation outside the rolled runs is the very
+    # same equation object afterwards (same variables), only its inputs renamed
+    closed, leaves = _vg_jaxpr(_chain, (rand(7, 3, 6), _chain_ws(5)), "all")
+    out, stats = reroll_with_stats(closed, min_repeats=4)
+    rolled = set()
+    for start, period, n, _ in stats.runs:
+        rolled.update(range(start, start + period * n))
+    kept = [e for i, e in enumerate(closed.jaxpr.eqns) if i not in rolled]
+    assert kept and len(rolled) > len(kept)
+    new_outvars = {id(v) for e in out.jaxpr.eqns for v in e.outvars}
+    assert all(id(v) in new_outvars for e in kept for v in e.outvars)
+    _close(_run(closed, leaves), _run(out, leaves))
+
+
+def test_layers_inside_a_nested_jit_are_rolled_there():
+    inner = jax.jit(lambda x, ws: _chain(x, ws)[0])
+    x, ws = rand(7, 3, 6), _chain_ws(4)
+    closed, leaves = _vg_jaxpr(lambda x, ws: (inner(x, ws), None), (x, ws), "all")
+    out = reroll(closed)
+    assert not _scans(out)  # the top level is a few calls, not a loop
+    subs = [sub for e in out.jaxpr.eqns for sub in _jax.jaxprs_in_params(e.params)]
+    lengths = [e.params["length"] for sub in subs for e in sub.eqns if e.primitive.name == "scan"]
+    assert lengths and all(n == 4 for n in lengths)
+    assert reroll(out) is out   # idempotent: nothing left to roll anywhere
+    _close(_run(closed, leaves), _run(out, leaves))
