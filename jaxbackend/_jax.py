@@ -199,3 +199,39 @@ def eval_jaxpr_hooked(jaxpr, consts, args, hook):
     for eqn in jaxpr.eqns:
         env.update(zip(eqn.outvars, hook(eqn, bind_eqn(eqn, [read(v) for v in eqn.invars]))))
     return [read(v) for v in jaxpr.outvars]
+
+
+# --- passes.reroll: a scan equation around an existing block of equations ------
+# JAX 0.10: `scan_p` is public in jax.extend.core.primitives. Its bind params
+# are reverse, length, num_consts, num_carry, unroll, jaxpr (ClosedJaxpr over
+# consts + carry + xs -> carry + ys); older JAX also had `linear` (one bool
+# per operand) and `_split_transpose`. Rather than spell the set out, we copy
+# the params of a scan JAX traces itself (once) and override the ones we set,
+# so a param added by a later JAX keeps its default.
+_SCAN_DEFAULTS: dict = {}
+
+
+def new_jaxpr(invars, outvars, eqns) -> Jaxpr:
+    """A constvar-free jaxpr over existing equations (JAX 0.10 constructor;
+    effects: none, as rolled blocks never hold effectful equations)."""
+    info = jex_core.DebugInfo("scan", "jaxbackend.passes.reroll block", (None,) * len(invars),
+                              (None,) * len(outvars))
+    return Jaxpr([], list(invars), list(outvars), list(eqns), debug_info=info)
+
+
+def scan_bind(body: ClosedJaxpr, args, *, length: int, reverse: bool, num_consts: int,
+              num_carry: int):
+    """`scan_p.bind` of `body` on args = consts + carry + xs (no re-trace of body)."""
+    from jax.extend.core.primitives import scan_p
+
+    if not _SCAN_DEFAULTS:
+        import jax.numpy as jnp
+
+        j = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, x), c, xs))(
+            jnp.float32(0), jnp.zeros(2, jnp.float32))
+        _SCAN_DEFAULTS.update(j.jaxpr.eqns[0].params)
+    params = dict(_SCAN_DEFAULTS, jaxpr=body, length=length, reverse=reverse,
+                  num_consts=num_consts, num_carry=num_carry)
+    if "linear" in params:
+        params["linear"] = (False,) * len(args)
+    return scan_p.bind(*args, **params)

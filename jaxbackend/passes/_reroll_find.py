@@ -308,9 +308,8 @@ def _make_run(g: Graph, start: int, period: int, n: int, tmpl, init) -> Run:
         template.append(row)
     ys_slots, carry_ys = [], []
     for r in range(period):
-        for o, v0 in enumerate(eqns[start + r].outvars):
-            if isinstance(v0, _jax.DropVar):
-                continue
+        for o in range(len(eqns[start + r].outvars)):
+            # (a DropVar in one block need not be dropped in another)
             outs = [eqns[start + j * period + r].outvars[o] for j in range(n)]
             c = carry_index.get((r, o))
             if c is None:

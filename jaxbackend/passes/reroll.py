@@ -220,7 +220,8 @@ class _Walk:
         stride = shape[0] if shape else 1
         if stride not in self.starts:
             n = self.max_repeats
-            self.starts[stride] = self.rw.emit(lambda like: _opaque_indices(n, like, stride), [arr])
+            self.starts[stride] = self.rw.emit(lambda like: _opaque_indices(n, like, stride), [arr],
+                                               key=("reroll.opaque", n, stride))
         if sid not in self.flat:
             self.flat[sid] = arr if not shape else self.rw.emit(
                 lambda a: a.reshape((-1,) + a.shape[2:]), [arr], key="reroll.flat")[0]
@@ -249,6 +250,58 @@ class _Walk:
         return sid, i0, step
 
     # -- one run ---------------------------------------------------------------
+    def _xs(self, vs, reverse: bool):
+        """Atom of the array whose entry t is block j's input, t = j (or
+        n-1-j if reverse): an earlier stack (or a slice of it) when one holds
+        exactly these values in this order, else a new stack (a copy)."""
+        n = len(vs)
+        hit = self._find_stack(vs)
+        if hit is not None and (hit[2] == -1) == reverse:
+            sid, i0, step = hit
+            lo = i0 if step == 1 else i0 - (n - 1)
+            arr = self.stacks[sid]
+            self.stats.stacks_reused += 1
+            if lo == 0 and arr.aval.shape[0] == n:
+                return arr
+            return self.rw.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
+                                key=("reroll.slice", lo, n))[0]
+        order = list(reversed(vs)) if reverse else list(vs)
+        arr, = self.rw.emit(lambda *xs: _stack(xs), [self.read(v) for v in order],
+                            key="reroll.stack")
+        self.stats.stacked_copies += 1
+        self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
+        self._register(arr, order)
+        return arr
+
+    def _body(self, run: Run, const_slots, xs_slots):
+        """The scan body: block 0's own equations, re-wired (no re-trace) to
+        read body inputs consts + carry + xs, returning carry + ys."""
+        block = self.jaxpr.eqns[run.start:run.start + run.period]
+        new = _jax.new_var
+        consts = {s: new(run.outside[s][0].aval) for s in const_slots}
+        xs = {s: new(run.outside[s][0].aval) for s in xs_slots}
+        carry = [new(block[r].outvars[o].aval) for r, o in run.carry_slots]
+        local, eqns = {}, []
+        for r, eqn in enumerate(block):
+            invars = []
+            for t, v in zip(run.template[r], eqn.invars):
+                kind = t[0]
+                if kind == "lit":
+                    invars.append(v)
+                elif kind == "int":
+                    invars.append(local[t[1:]])
+                elif kind == "car":
+                    invars.append(carry[t[1]])
+                else:
+                    invars.append(xs[t[1]] if t[1] in xs else consts[t[1]])
+            outvars = [new(v.aval) for v in eqn.outvars]
+            local.update(((r, o), v) for o, v in enumerate(outvars))
+            eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        outvars = ([local[slot] for slot in run.carry_slots] + [local[slot] for slot in run.ys_slots]
+                   + [carry[c] for c in run.carry_ys])
+        invars = [consts[s] for s in const_slots] + carry + [xs[s] for s in xs_slots]
+        return _jax.ClosedJaxpr(_jax.new_jaxpr(invars, outvars, eqns), [])
+
     def _scan(self, run: Run):
         n = run.repeats
         per_block = [s for s, vs in enumerate(run.outside) if any(v is not vs[0] for v in vs)]
@@ -259,74 +312,15 @@ class _Walk:
             if hit is not None:
                 reverse = hit[2] == -1
                 break
-        # operands of the traced scan call, and how each xs entry is made
-        args, const_pos, xs_plan, copies = [], {}, [], []
-        for s, vs in enumerate(run.outside):
-            if s not in set(per_block):
-                const_pos[s] = len(args)
-                args.append(self.read(vs[0]))
-        for s in per_block:
-            vs = run.outside[s]
-            hit = self._find_stack(vs)
-            if hit is not None and (hit[2] == -1) == reverse:
-                sid, i0, step = hit
-                lo = i0 if step == 1 else i0 - (n - 1)
-                xs_plan.append(("reuse", len(args), lo))
-                args.append(self.stacks[sid])
-                self.stats.stacks_reused += 1
-            else:
-                order = list(reversed(vs)) if reverse else list(vs)
-                xs_plan.append(("copy", len(args), len(order)))
-                copies.append(order)
-                args.extend(self.read(v) for v in order)
-        init_pos = len(args)
-        args.extend(self.read(v) for v in run.carry_init)
-        block = [self.jaxpr.eqns[run.start + r] for r in range(run.period)]
-        xs_pos = {s: t for t, s in enumerate(per_block)}
-
-        def body(consts, carry, xs_t):
-            local = {}
-            for r, eqn in enumerate(block):
-                vals = []
-                for t, v in zip(run.template[r], eqn.invars):
-                    kind = t[0]
-                    if kind == "lit":
-                        vals.append(v.val)
-                    elif kind == "int":
-                        vals.append(local[t[1:]])
-                    elif kind == "car":
-                        vals.append(carry[t[1]])
-                    elif t[1] in xs_pos:
-                        vals.append(xs_t[xs_pos[t[1]]])
-                    else:
-                        vals.append(consts[t[1]])
-                for o, x in enumerate(_jax.bind_eqn(eqn, vals)):
-                    local[(r, o)] = x
-            new_carry = [local[slot] for slot in run.carry_slots]
-            ys = [local[slot] for slot in run.ys_slots] + [carry[c] for c in run.carry_ys]
-            return new_carry, ys
-
-        def rolled(*a):
-            consts = {s: a[p] for s, p in const_pos.items()}
-            xs, made = [], []
-            for kind, p, m in xs_plan:
-                if kind == "reuse":
-                    arr = a[p]
-                    xs.append(arr if (m == 0 and arr.shape[0] == n) else lax.slice_in_dim(arr, m, m + n))
-                else:
-                    xs.append(_stack(a[p:p + m]))
-                    made.append(xs[-1])
-            final, ys = lax.scan(functools.partial(body, consts), list(a[init_pos:]), xs,
-                                 length=n, reverse=reverse)
-            return list(final) + list(ys) + made
-
-        outs = self.rw.emit(rolled, args)
-        final = outs[:len(run.carry_slots)]
-        ys = outs[len(final):len(outs) - len(copies)]
-        for arr, order in zip(outs[len(outs) - len(copies):], copies):
-            self.stats.stacked_copies += 1
-            self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
-            self._register(arr, order)
+        const_slots = [s for s in range(len(run.outside)) if s not in set(per_block)]
+        args = ([self.read(run.outside[s][0]) for s in const_slots]
+                + [self.read(v) for v in run.carry_init]
+                + [self._xs(run.outside[s], reverse) for s in per_block])
+        body = self._body(run, const_slots, per_block)
+        kw = dict(length=n, reverse=reverse, num_consts=len(const_slots),
+                  num_carry=len(run.carry_slots))
+        outs = self.rw.emit(lambda *a: _jax.scan_bind(body, a, **kw), args)
+        final, ys = outs[:len(run.carry_slots)], outs[len(run.carry_slots):]
         self.stats.runs.append((run.start, run.period, n, reverse))
         pos = (lambda j: n - 1 - j) if reverse else (lambda j: j)
         out_var = lambda j, slot: self.jaxpr.eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]  # noqa: E731
