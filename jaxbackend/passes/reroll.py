@@ -29,7 +29,7 @@ not re-tracing. Equations outside runs are kept as they are (the same
 equation objects, inputs renamed where needed); each run becomes the
 equations of one traced `lax.scan` call, whose body is one block traced
 once; stacks are one `concatenate` + bitcast reshape and each per-block read
-one `dynamic_slice` at an opaque offset, so XLA compiles one kernel per
+one `dynamic_slice` at an opaque index, so XLA compiles one kernel per
 shape, not one per layer. Sub-jaxprs (`jit`, `scan`, `cond`, `while`,
 remat, custom-derivative bodies) are rolled the same way, recursively, once
 per distinct object.
@@ -52,9 +52,7 @@ When nothing is found the input object is returned unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -176,8 +174,7 @@ class _Walk:
         self.env = {}         # old var -> new atom, where they differ
         self.stacked = {}     # old var -> (stack id, index): a per-block result
         self.stacks = []      # stack id -> atom of the stacked array
-        self.flat = {}        # stack id -> atom of it reshaped to (n * shape[1], ...)
-        self.starts = {}      # stride -> atoms of opaque int32 scalars 0, stride, 2*stride, ...
+        self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
 
     def kept(self):
         """Yield (index, equation) for each equation outside runs, in order,
@@ -213,20 +210,14 @@ class _Walk:
 
     def _index_out(self, sid, idx):
         """Entry idx of stack sid as an atom: one dynamic_slice at an opaque
-        offset (see `_opaque_indices`), of the stack viewed as rows (once per
-        stack), so every read of one shape is the same XLA kernel."""
+        offset (see `_opaque_indices`) and a reshape (a bitcast), so every
+        read of one shape is the same XLA kernel."""
         arr = self.stacks[sid]
-        shape = arr.aval.shape[1:]
-        stride = shape[0] if shape else 1
-        if stride not in self.starts:
+        if self.indices is None:
             n = self.max_repeats
-            self.starts[stride] = self.rw.emit(lambda like: _opaque_indices(n, like, stride), [arr],
-                                               key=("reroll.opaque", n, stride))
-        if sid not in self.flat:
-            self.flat[sid] = arr if not shape else self.rw.emit(
-                lambda a: a.reshape((-1,) + a.shape[2:]), [arr], key="reroll.flat")[0]
-        out, = self.rw.emit(functools.partial(_unstack_one, shape),
-                            [self.flat[sid], self.starts[stride][idx]], key=("reroll.unstack", shape))
+            self.indices = self.rw.emit(lambda like: _opaque_indices(n, like), [arr],
+                                        key=("reroll.opaque", n))
+        out, = self.rw.emit(_unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
         return out
 
     def _register(self, arr, vars_in_array_order):
@@ -351,20 +342,16 @@ def _stack(xs):
     return lax.concatenate(list(xs), 0).reshape((len(xs),) + shape)
 
 
-def _unstack_one(shape, flat, start):
-    """Entry i of a stack of n arrays of `shape`, given the stack as `flat`
-    (n * shape[0], *shape[1:]) and the runtime scalar start = i * shape[0]:
-    one dynamic_slice, no squeeze op (see `_stack`)."""
-    if not shape:  # a stack of scalars: flat is the stack itself, start = i
-        row = lax.dynamic_slice(flat, (start,), (1,), allow_negative_indices=False)
-        return row.reshape(())
-    return lax.dynamic_slice(flat, (start,) + (0,) * (len(shape) - 1), shape,
-                             allow_negative_indices=False)
+def _unstack_one(arr, i):
+    """arr[i] for a runtime scalar i: one dynamic_slice and a reshape (which
+    XLA makes a bitcast; lax.dynamic_index_in_dim would add a nested jit)."""
+    row = lax.dynamic_slice(arr, (i,) + (0,) * (arr.ndim - 1), (1,) + arr.shape[1:],
+                            allow_negative_indices=False)
+    return row.reshape(arr.shape[1:])
 
 
-def _opaque_indices(n: int, like, stride: int = 1):
-    """Scalars 0, stride, ..., (n-1)*stride whose values XLA cannot see at
-    compile time.
+def _opaque_indices(n: int, like):
+    """Scalars 0..n-1 whose values XLA cannot see at compile time.
 
     Unstacking a scan's output into per-layer results (the weight gradients
     the caller expects) takes one slice per layer. With constant offsets each
@@ -376,11 +363,11 @@ def _opaque_indices(n: int, like, stride: int = 1):
     times (its trip count is a value XLA cannot know: whether `like`'s first
     element is NaN) and whose body would leave them unchanged anyway (it adds
     the counter, 0, on its only possible iteration), so the values are always
-    i * stride; the loop costs a few microseconds per call.
+    0..n-1; the loop costs a few microseconds per call.
     """
     first = lax.index_in_dim(like.reshape(-1), 0, keepdims=False)
     trips = (first != first).astype(jnp.int32)
-    init = (jnp.int32(0), tuple(jnp.int32(i * stride) for i in range(n)))
+    init = (jnp.int32(0), tuple(jnp.int32(i) for i in range(n)))
     _, idx = lax.while_loop(lambda c: c[0] < trips,
                             lambda c: (c[0] + 1, tuple(x + c[0] for x in c[1])), init)
     return idx
