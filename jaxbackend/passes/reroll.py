@@ -26,10 +26,11 @@ something reads them.
 
 How the result is built (linear in the number of equations): by splicing,
 not re-tracing. Equations outside runs are kept as they are (the same
-equation objects, inputs renamed where needed); each run becomes the
-equations of one traced `lax.scan` call, whose body is one block traced
-once; stacks are one `concatenate` + bitcast reshape and each per-block read
-one `dynamic_slice` at an opaque index, so XLA compiles one kernel per
+equation objects, inputs renamed where needed); each run becomes one
+`scan` equation whose body is block 0's own equations re-wired to the body
+inputs (nothing traced but the small stacking/indexing helpers, cached by
+shape); stacks are one `concatenate` + bitcast reshape and each per-block
+read one `dynamic_slice` at an opaque index, so XLA compiles one kernel per
 shape, not one per layer. Sub-jaxprs (`jit`, `scan`, `cond`, `while`,
 remat, custom-derivative bodies) are rolled the same way, recursively, once
 per distinct object.
@@ -68,7 +69,9 @@ __all__ = ["RerollStats", "find_runs", "reroll", "reroll_with_stats"]
 class RerollStats:
     """What one `reroll` call did."""
 
-    runs: list = dataclasses.field(default_factory=list)   # (start, period, repeats, reverse)
+    # (start, period, repeats, reverse); start indexes the jaxpr holding the
+    # run (the top level, or a sub-jaxpr for runs rolled inside one)
+    runs: list = dataclasses.field(default_factory=list)
     eqns_before: int = 0
     eqns_after: int = 0
     stacked_copies: int = 0        # per-block input lists stacked by copying
@@ -108,8 +111,8 @@ def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2):
 class _Splicer:
     """Builds the rolled jaxpr by splicing: equations outside runs are kept
     as they are (only their inputs renamed, no re-trace), each run becomes
-    the equations of one traced `lax.scan` call (plus the stacking it needs),
-    and per-block results are indexed out of their stack where read.
+    one `scan` equation (plus the stacking it needs), and per-block results
+    are indexed out of their stack where read.
     Sub-jaxprs (`jit`, `scan`, `cond`, remat, custom-derivative bodies) are
     rolled recursively, once per distinct object."""
 
@@ -151,7 +154,7 @@ class _Splicer:
         runs = find_runs(jaxpr, self.min_repeats)
         rw = _rewrite.Rewriter({}, closed=closed, shared={"memo": {}, "stats": None})
         walk = _Walk(jaxpr, runs, rw, self.stats)
-        for i, eqn in walk.kept():
+        for eqn in walk.kept():
             params = eqn.params
             if any(_rewrite.has_jaxpr(p) for p in params.values()):
                 new_params = {k: self._sub(p) for k, p in params.items()}
@@ -177,13 +180,13 @@ class _Walk:
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
 
     def kept(self):
-        """Yield (index, equation) for each equation outside runs, in order,
-        after emitting the scan of every run before it."""
+        """Yield each equation outside runs, in order, after emitting the
+        scan of every run before it."""
         eqns, i = self.jaxpr.eqns, 0
         while i < len(eqns):
             run = self.run_at.get(i)
             if run is None:
-                yield i, eqns[i]
+                yield eqns[i]
                 i += 1
             else:
                 self._scan(run)
@@ -335,7 +338,8 @@ class _Walk:
 def _stack(xs):
     """jnp.stack(xs), as one concatenate along the existing leading axis and a
     reshape (a bitcast): one XLA op per stack instead of one reshape per
-    element, which XLA:CPU compiles for ~1 ms each (768 for 64 layers)."""
+    element (measured: the 12 weight stacks of 64 layers compile in 0.55 s
+    this way, 0.85 s as jnp.stack)."""
     shape = xs[0].shape
     if not shape:
         return jnp.stack(xs)
