@@ -217,7 +217,11 @@ def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argn
     `inline` (so it reads dim names; the named einsums lower by themselves)
     and `reroll`: the plan's sharding constraints go on top-level
     contractions, which a `scan` body would hide. Under a mesh, layers stay
-    unrolled for now."""
+    unrolled for now: rolling after planning, with the constraints moved into
+    the scan bodies, compiled slower under SPMD (measured on a (2, 4) CPU
+    mesh: 10.2 s vs 7.7 s for the issue-4 transformer at 8 layers, 5.7 s vs
+    1.5 s for the named attention stack at 16), so it waits for constraints
+    on the stacked weights and carries as well."""
     given = [name for name, v in [("static_argnums", static_argnums),
                                   ("static_argnames", static_argnames),
                                   ("donate_argnums", donate_argnums),
