@@ -242,9 +242,10 @@ def _stack_copy_cost(n):
     """Per-call seconds of stacking n layers' 12 weights (what reroll's forward
     scan copies), vs. one rolled training step: measured on its own."""
     from jaxbackend.models import _transformer as T
+    from jaxbackend.passes.reroll import _stack  # the pass's own stacking
 
     _, layers = T.init_transformer(jax.random.key(0), n)
-    f = jax.jit(lambda ls: T.stack_layers(ls))
+    f = jax.jit(lambda ls: {k: _stack([p[k] for p in ls]) for k in ls[0]})
     nbytes = sum(w.size * w.dtype.itemsize for p in layers for w in p.values())
     return _step_time(f, (layers,)), nbytes
 

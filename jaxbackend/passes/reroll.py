@@ -129,9 +129,11 @@ class _Splicer:
         return _jax.ClosedJaxpr(new, list(closed.consts) + rw.new_consts)
 
     def _open(self, jaxpr):
+        before = dataclasses.replace(self.stats, runs=list(self.stats.runs))
         try:
             rw, outvars = self._walk(jaxpr, closed=False)
         except _rewrite.RewriteDeclined:   # would need an array const: leave as is
+            self.stats.__dict__.update(before.__dict__)   # and count nothing of it
             return jaxpr
         return jaxpr if rw is None else _jax.jaxpr_with(jaxpr, eqns=rw.eqns, outvars=outvars)
 
