@@ -185,6 +185,17 @@ def test_reroll_is_on_by_default_and_configurable(reroll, rolled):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
 
 
+def test_default_rolls_from_reroll_min_repeats_layers():
+    from jaxbackend.models import _transformer as T
+    from jaxbackend.passes import REROLL_MIN_REPEATS as k
+
+    for n, rolled in ((k - 1, False), (k, True)):
+        x, layers = T.init_transformer(jax.random.key(1), n, seq=8, d=32, mlp=64)
+        vg = jax.value_and_grad(lambda x, L: T.loop_transformer(x, L)[0], argnums=(0, 1))
+        after = jb.jit(vg).trace(x, layers).jaxprs[-1][1]
+        assert _scan_count(after) == (2 if rolled else 0), n
+
+
 def test_reroll_argument_is_checked():
     with pytest.raises(ValueError, match="reroll=1"):
         jb.jit(lambda x: x, reroll=1)
