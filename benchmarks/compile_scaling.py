@@ -353,7 +353,7 @@ def run_reroll(*, quick: bool, repeat: int) -> str:
     for n in (16, 64):
         t, nbytes = _stack_copy_cost(n)
         copy_rows.append([n, f"{nbytes / 2**20:.2f}", f"{t * 1e6:.0f}"])
-    body += ["Targets (issue 4), from the table above:\n" + "\n".join(lines),
+    body += ["Targets (issue 4):\n" + "\n".join(lines),
              "Runtime per training step on CPU (compiled value_and_grad, median of 5x20 calls, "
              "the executables interleaved; `jb.jit` default rolls from "
              "`REROLL_MIN_REPEATS` layers, the rolled column forces it with `reroll=2`):\n\n"

@@ -52,7 +52,7 @@ from jaxbackend.passes.reroll import reroll as _reroll
 # Measured crossover (benchmarks/compile_scaling.py, value_and_grad of the
 # issue-4 transformer, CPU): at 4 layers the rolled program compiled 10-30%
 # slower than the unrolled one in four runs (the stacking and unstacking of
-# every weight and gradient outweigh the 4 copies saved) and ran up to 18%
+# every weight and gradient outweigh the 4 copies saved) and ran 1-23%
 # slower (those copies, per call); at 8 layers it compiled 1.3-1.7x faster.
 # The difference crosses zero near 5 repeats.
 REROLL_MIN_REPEATS = 5
