@@ -169,22 +169,16 @@ class Rewriter:
         self.new_consts.append(value)
         return v
 
-    def _sub(self, value):
-        """Rewritten version of a sub-jaxpr parameter (same object if unchanged)."""
-        if isinstance(value, tuple):
-            new = tuple(self._sub(v) for v in value)
-            return value if all(a is b for a, b in zip(new, value)) else new
-        if not (_jax.is_closed_jaxpr(value) or _jax.is_open_jaxpr(value)):
-            return value
-        memo = self._shared["memo"]
-        hit = memo.get(id(value))
-        if hit is None:
-            if _jax.is_closed_jaxpr(value):
-                hit = (value, _rewrite_closed(value, self.rules, self._shared))
-            else:
-                hit = (value, _rewrite_open(value, self.rules, self._shared))
-            memo[id(value)] = hit  # keep `value` alive so its id stays unique
-        return hit[1]
+    def _rewrite_sub(self, value):
+        if _jax.is_closed_jaxpr(value):
+            return _rewrite_closed(value, self.rules, self._shared)
+        return _rewrite_open(value, self.rules, self._shared)
+
+    def finish(self, jaxpr, outvars):
+        """`jaxpr` with the walked equations, these outvars and any consts
+        the rules added (same inputs and effects)."""
+        return _jax.jaxpr_with(jaxpr, eqns=self.eqns, outvars=outvars,
+                               constvars=list(jaxpr.constvars) + self.new_constvars)
 
     def run(self, jaxpr) -> tuple[list, list]:
         env: dict = {}
@@ -195,12 +189,10 @@ class Rewriter:
                 invars = [env.get(v, v) if _jax.is_var(v) else v for v in eqn.invars]
                 if any(a is not b for a, b in zip(invars, eqn.invars)):
                     eqn = eqn.replace(invars=invars)
-            params = eqn.params
-            if any(has_jaxpr(p) for p in params.values()):
-                new_params = {k: self._sub(p) for k, p in params.items()}
-                if any(new_params[k] is not params[k] for k in params):
-                    eqn = eqn.replace(params=new_params)
-                    self.changed = True
+            new = map_subjaxprs(eqn, self._shared["memo"], self._rewrite_sub)
+            if new is not eqn:
+                eqn = new
+                self.changed = True
             rule = rules.get(eqn.primitive.name, default)
             out = None
             if rule is not None:
@@ -242,20 +234,41 @@ def _same_type(a, b) -> bool:
 
 def _rewrite_closed(closed, rules, shared):
     rw = Rewriter(rules, closed=True, shared=shared)
-    eqns, outvars = rw.run(closed.jaxpr)
+    _, outvars = rw.run(closed.jaxpr)
     if not rw.changed:
         return closed
-    jaxpr = _jax.jaxpr_with(closed.jaxpr, eqns=eqns, outvars=outvars,
-                            constvars=list(closed.jaxpr.constvars) + rw.new_constvars)
-    return _jax.ClosedJaxpr(jaxpr, list(closed.consts) + rw.new_consts)
+    return _jax.ClosedJaxpr(rw.finish(closed.jaxpr, outvars), list(closed.consts) + rw.new_consts)
 
 
 def _rewrite_open(jaxpr, rules, shared):
     rw = Rewriter(rules, closed=False, shared=shared)
-    eqns, outvars = rw.run(jaxpr)
-    if not rw.changed:
-        return jaxpr
-    return _jax.jaxpr_with(jaxpr, eqns=eqns, outvars=outvars)
+    _, outvars = rw.run(jaxpr)
+    return rw.finish(jaxpr, outvars) if rw.changed else jaxpr
+
+
+def map_subjaxprs(eqn, memo: dict, fn: Callable):
+    """`eqn` with every sub-jaxpr parameter (a `ClosedJaxpr`/`Jaxpr`, directly
+    or in a tuple) replaced by `fn(it)`, which must keep its type and input/
+    output types; memoised per object in `memo`, so a sub-jaxpr shared by
+    many equations is rewritten once. The same equation object when `fn`
+    changed nothing."""
+    params = eqn.params
+    if not any(has_jaxpr(p) for p in params.values()):
+        return eqn
+
+    def sub(value):
+        if isinstance(value, tuple):
+            new = tuple(sub(v) for v in value)
+            return value if all(a is b for a, b in zip(new, value)) else new
+        if not (_jax.is_closed_jaxpr(value) or _jax.is_open_jaxpr(value)):
+            return value
+        hit = memo.get(id(value))
+        if hit is None:
+            hit = memo[id(value)] = (value, fn(value))  # keep value alive: its id stays unique
+        return hit[1]
+
+    new = {k: sub(p) for k, p in params.items()}
+    return eqn if all(new[k] is params[k] for k in params) else eqn.replace(params=new)
 
 
 def rewrite(closed, rules: Mapping[str, Rule]):

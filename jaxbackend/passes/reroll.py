@@ -120,13 +120,10 @@ class _Splicer:
         self.min_repeats, self.stats, self.memo = min_repeats, stats, {}
 
     def closed(self, closed):
-        jaxpr = closed.jaxpr
-        rw, outvars = self._walk(jaxpr, closed=True)
+        rw, outvars = self._walk(closed.jaxpr, closed=True)
         if rw is None:
             return closed
-        new = _jax.jaxpr_with(jaxpr, eqns=rw.eqns, outvars=outvars,
-                              constvars=list(jaxpr.constvars) + rw.new_constvars)
-        return _jax.ClosedJaxpr(new, list(closed.consts) + rw.new_consts)
+        return _jax.ClosedJaxpr(rw.finish(closed.jaxpr, outvars), list(closed.consts) + rw.new_consts)
 
     def _open(self, jaxpr):
         before = dataclasses.replace(self.stats, runs=list(self.stats.runs))
@@ -135,20 +132,11 @@ class _Splicer:
         except _rewrite.RewriteDeclined:   # would need an array const: leave as is
             self.stats.__dict__.update(before.__dict__)   # and count nothing of it
             return jaxpr
-        return jaxpr if rw is None else _jax.jaxpr_with(jaxpr, eqns=rw.eqns, outvars=outvars)
+        return jaxpr if rw is None else rw.finish(jaxpr, outvars)
 
     def _sub(self, value):
-        """The rolled version of a sub-jaxpr parameter (same object if unchanged)."""
-        if isinstance(value, tuple):
-            new = tuple(self._sub(v) for v in value)
-            return value if all(a is b for a, b in zip(new, value)) else new
-        if not (_jax.is_closed_jaxpr(value) or _jax.is_open_jaxpr(value)):
-            return value
-        hit = self.memo.get(id(value))
-        if hit is None:
-            new = self.closed(value) if _jax.is_closed_jaxpr(value) else self._open(value)
-            hit = self.memo[id(value)] = (value, new)  # keep value alive: its id stays unique
-        return hit[1]
+        """The rolled version of a sub-jaxpr (same object if unchanged)."""
+        return self.closed(value) if _jax.is_closed_jaxpr(value) else self._open(value)
 
     def _walk(self, jaxpr, closed):
         """(Rewriter holding the new equations, new outvars), or (None, None)
@@ -157,13 +145,9 @@ class _Splicer:
         rw = _rewrite.Rewriter({}, closed=closed, shared={"memo": {}, "stats": None})
         walk = _Walk(jaxpr, runs, rw, self.stats)
         for eqn in walk.kept():
-            params = eqn.params
-            if any(_rewrite.has_jaxpr(p) for p in params.values()):
-                new_params = {k: self._sub(p) for k, p in params.items()}
-                if any(new_params[k] is not params[k] for k in params):
-                    eqn = eqn.replace(params=new_params)
-                    rw.changed = True
-            walk.keep(eqn)
+            new = _rewrite.map_subjaxprs(eqn, self.memo, self._sub)
+            rw.changed |= new is not eqn
+            walk.keep(new)
         if not (runs or rw.changed):
             return None, None
         return rw, [walk.read(v) for v in jaxpr.outvars]
