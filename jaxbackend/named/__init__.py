@@ -7,6 +7,11 @@ traced jaxpr still knows which axis is `batch` and which is `embd`.
 """
 
 from jaxbackend.named._array import NamedArray as NamedArray
+from jaxbackend.named._einops import (
+    rearrange as rearrange,
+    reduce as reduce,
+    repeat as repeat,
+)
 from jaxbackend.named._einsum import einsum_p as einsum_p
 from jaxbackend.named._errors import DimError as DimError
 from jaxbackend.named._layout import (
