@@ -14,6 +14,7 @@ from jaxbackend.named._einops import (
 )
 from jaxbackend.named._einsum import einsum_p as einsum_p
 from jaxbackend.named._errors import DimError as DimError
+from jaxbackend.named._gather import cross_entropy as cross_entropy, take as take
 from jaxbackend.named._layout import (
     concat as concat,
     expand_dims as expand_dims,
