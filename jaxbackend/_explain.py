@@ -64,7 +64,7 @@ def _primitive_counts(closed):
 def explain(fn, args, passes=None, *, show_jaxpr=False) -> str:
     import jaxbackend as jb
 
-    t = jb.jit(fn, passes=passes).trace(*args)
+    t = jb.jit(fn, passes=passes).trace_passes(*args)
     before, after = _primitive_counts(t.before), _primitive_counts(t.after)
     changed = sorted(k for k in before.keys() | after.keys() if before[k] != after[k])
     lines = [f"explain {getattr(fn, '__name__', fn)}: {len(t.before.jaxpr.invars)} inputs, "
@@ -74,6 +74,16 @@ def explain(fn, args, passes=None, *, show_jaxpr=False) -> str:
     if show_jaxpr:
         lines += ["", "jaxpr before:", str(t.before), "", "jaxpr after:", str(t.after)]
     return "\n".join(lines)
+
+
+def _check_passes(passes) -> None:
+    """Unknown --passes names: one line, before anything is traced."""
+    from jaxbackend.passes import pipeline
+
+    try:
+        pipeline.resolve(passes)
+    except ValueError as e:
+        raise ExplainError(f"--passes: {e}") from None
 
 
 def main(argv) -> int:
@@ -89,6 +99,7 @@ def main(argv) -> int:
     try:
         fn, args = load_target(a.target)
         passes = tuple(p.strip() for p in a.passes.split(",")) if a.passes else None
+        _check_passes(passes)
         print(explain(fn, args, passes, show_jaxpr=a.jaxpr))
     except ExplainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -235,3 +235,152 @@ def scan_bind(body: ClosedJaxpr, args, *, length: int, reverse: bool, num_consts
     if "linear" in params:
         params["linear"] = (False,) * len(args)
     return scan_p.bind(*args, **params)
+
+
+# --- named.einsum: dot_general's dtype rule and its transpose's cast --------------
+# The einsum primitive lowers to dot_general, so its result dtype and weak type
+# must be dot_general's. JAX 0.10: `dot_general_p` is public in
+# jax.extend.core.primitives; its `abstract_eval(lhs, rhs, **params)` returns
+# `(aval, effects)` and takes the params dimension_numbers, precision,
+# preferred_element_type and out_sharding.
+
+def dot_general_out_aval(lhs_aval, rhs_aval, *, dimension_numbers, precision,
+                         preferred_element_type):
+    """The aval `lax.dot_general` gives for operands of these avals."""
+    from jax.extend.core.primitives import dot_general_p
+
+    aval, _ = dot_general_p.abstract_eval(
+        lhs_aval, rhs_aval, dimension_numbers=dimension_numbers, precision=precision,
+        preferred_element_type=preferred_element_type, out_sharding=None)
+    return aval
+
+
+def convert_element_type(x, dtype, weak_type: bool):
+    """`x` cast to `dtype` with the given weak type, as dot_general's transpose
+    rule casts a cotangent to its primal's type (JAX 0.10:
+    `jax._src.lax.lax._convert_element_type`; the public
+    `lax.convert_element_type` always clears weak_type)."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, dtype, weak_type,
+                                              warn_on_complex_to_real_cast=False)
+
+
+# --- testing.abs_scale: the sub-jaxprs and params of the equations it evaluates --
+# JAX 0.10 param names: jit "jaxpr" (ClosedJaxpr); closed_call/core_call,
+# custom_jvp_call, custom_vjp_call "call_jaxpr" (ClosedJaxpr, the primal);
+# checkpoint ("remat2") "jaxpr" (open Jaxpr); scan "jaxpr" (ClosedJaxpr over
+# consts + carry + xs) with num_consts, num_carry, length, reverse; cond
+# "branches" (its first operand is the branch index).
+
+def call_body(eqn) -> ClosedJaxpr | None:
+    """The ClosedJaxpr a call-like equation (jit, closed_call, the primal of a
+    custom_jvp/custom_vjp call, checkpoint) runs on its operands, else None."""
+    name = eqn.primitive.name
+    if name not in CALL_PRIMITIVES | CUSTOM_DERIVATIVE_PRIMITIVES | {"remat2", "checkpoint"}:
+        return None
+    body = eqn.params["call_jaxpr" if "call_jaxpr" in eqn.params else "jaxpr"]
+    return body if is_closed_jaxpr(body) else ClosedJaxpr(body, ())
+
+
+def scan_parts(eqn) -> tuple:
+    """(body, num_consts, num_carry, length, reverse) of a `scan` equation."""
+    p = eqn.params
+    return p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+
+
+def cond_branches(eqn) -> tuple:
+    """The branch ClosedJaxprs of a `cond` equation (operand 0 picks one)."""
+    return tuple(eqn.params["branches"])
+
+
+def while_parts(eqn) -> tuple:
+    """(cond, cond_nconsts, body, body_nconsts) of a `while` equation; its
+    operands are cond consts + body consts + carry."""
+    p = eqn.params
+    return p["cond_jaxpr"], p["cond_nconsts"], p["body_jaxpr"], p["body_nconsts"]
+
+
+def reduce_axes(eqn) -> tuple:
+    """The reduced axes of a reduce_* / argmax / argmin equation."""
+    return tuple(eqn.params["axes"])
+
+
+def bind_eqn_as(eqn, invals, dtype):
+    """`bind_eqn` on operands of float dtype `dtype` where the equation had
+    others: a `preferred_element_type` (dot_general, einsum, conv) becomes
+    `dtype` too, so the operands are accepted."""
+    params = dict(eqn.params)
+    if params.get("preferred_element_type") is not None:
+        params["preferred_element_type"] = dtype
+    params = eqn.primitive.get_bind_params(params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# --- passes (structural keys, reroll + cse): function-valued params ------------
+# JAX 0.10: functions stored in equation params are `lu.WrappedFun`s
+# (custom_jvp_call's `jvp_jaxpr_fun`, custom_vjp_call's `fwd_jaxpr_thunk` and
+# `bwd`; not callable, and their `__eq__` compares static args with `==`, so
+# 1 == 1.0 == True) or plain callables (custom_vjp_call's `out_trees`, the
+# callback primitives' `callback`). Printed, both show only a name.
+# `JaxprEqn.ctx` (compute type, threefry mode, mesh, XLA metadata) is
+# interned by JAX, so identity is equality.
+
+from jax.extend import linear_util as _lu  # noqa: E402
+
+
+def is_function_param(x) -> bool:
+    """Is this equation parameter a function (comparable only by identity)?"""
+    return callable(x) or isinstance(x, _lu.WrappedFun)
+
+
+def eqn_context(eqn):
+    """The equation's interned context object (part of what it computes)."""
+    return eqn.ctx
+
+
+def custom_jvp_rule(eqn):
+    """(jvp Jaxpr, consts, out_zeros) of a `custom_jvp_call` equation's JVP
+    rule traced with a nonzero tangent for every float operand, or None
+    when that does not pin the rule down (`symbolic_zeros=True`: the rule may
+    branch on which tangents are zero) or tracing fails.
+
+    JAX 0.10: `jvp_jaxpr_fun.call_wrapped(*in_zeros)` (one bool per non-const
+    operand) is what `custom_derivatives.lift_jvp` calls when differentiating
+    the equation, and JAX's own dce rule calls it too; it is memoised, so AD
+    later reuses this very trace."""
+    import jax.numpy as jnp
+
+    p = eqn.params
+    if p.get("symbolic_zeros", True):
+        return None
+    avals = [v.aval for v in eqn.invars[p["num_consts"]:]]
+    zeros = [not jnp.issubdtype(a.dtype, jnp.inexact) for a in avals]
+    try:
+        jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*zeros)
+    except Exception:  # noqa: BLE001 -- any failure: the caller falls back to identity
+        return None
+    return jaxpr, list(consts), tuple(bool(z) for z in out_zeros)
+
+
+# --- passes._sink_sum: values known at compile time ---------------------------
+# JAX 0.10: a jaxpr `Literal` holds its value in `.val` (a numpy or Python
+# scalar, for weak-typed literals too); its aval says the dtype.
+
+def literal_value(atom):
+    """The value of a jaxpr Literal as a numpy array of its aval's dtype;
+    None for anything else (a variable)."""
+    import numpy as np
+
+    if not isinstance(atom, Literal):
+        return None
+    return np.asarray(atom.val, dtype=atom.aval.dtype)
+
+
+def same_aval(a, b) -> bool:
+    """Same shape, dtype and weak type (JAX 0.10: `ShapedArray.weak_type`;
+    a weak type decides how a program's output promotes in later code)."""
+    return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+            and getattr(a, "weak_type", False) == getattr(b, "weak_type", False))

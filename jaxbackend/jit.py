@@ -10,15 +10,25 @@ The one module that knows every stage. Design, chosen for dispatch cost:
 
 JAX's own `jax.jit` object does the caching and the dispatch, so a warm call
 takes JAX's C++ fast path with no Python cache key of ours: `jb.jit` returns
-that very `jax.jit` function object, with our extras (`trace`, `passes`,
-`trace_count`, `last_report`) set as instance attributes. (A wrapper class
-whose `__call__` is the jit function measured ~3% slower: CPython's
-tp_call slot drops vectorcall.) Same
-shapes/dtypes/static args never retrace; new ones trace and compile once.
-`.lower(*args)` is jax's `Lowered` of the rewritten program (`.compile()`,
-`.as_text()`, `.cost_analysis()`); `.trace(*args)` runs the pipeline again
-outside jit and returns a `PipelineTrace` (jaxpr before/after every pass and
-the one-screen report).
+that very `jax.jit` function object, with our extras (`trace_passes`,
+`passes`, `trace_count`, `last_report`) set as instance attributes whose
+names JAX's jit object does not use: JAX calls its own `.trace`, `.lower`
+and `.eval_shape` (from `jax.make_jaxpr`, `jax.eval_shape`, an outer
+`jax.jit`), so shadowing one breaks those. (A wrapper class whose
+`__call__` is the jit function measured ~3% slower: CPython's tp_call slot
+drops vectorcall.) Same shapes/dtypes/static args never retrace; new ones
+trace and compile once. `.lower(*args)` is jax's `Lowered` of the rewritten
+program (`.compile()`, `.as_text()`, `.cost_analysis()`);
+`.trace_passes(*args)` runs the pipeline again outside jit and returns a
+`PipelineTrace` (jaxpr before/after every pass and the one-screen report).
+
+Like `jax.jit`: static arguments are completed from fn's signature as
+jax.jit completes them (a negative `static_argnums` resolves per call,
+against the positional arguments passed); Python scalars and weak-typed
+arrays trace weakly typed. Unlike `jax.jit`, a trace that updates the state
+of a Flax NNX argument (module, optimizer, variable) raises: the update
+would be lost, since the compiled function is pure; this check runs at
+trace time only, so warm calls pay nothing for it.
 
 AD: `jax.grad(jb.jit(f))` differentiates the rewritten jaxpr (custom-
 derivative calls are kept by `inline`, so their rules still apply);
@@ -38,6 +48,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -49,9 +61,17 @@ _UNSPECIFIED = object()
 
 
 def _split_static(args, static_argnums):
-    static_argnums = {i % len(args) if i < 0 else i for i in static_argnums} if args else ()
-    static = {i: a for i, a in enumerate(args) if i in static_argnums}
-    dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
+    """({position: static arg}, [dynamic args]). A negative argnum counts from
+    the last positional argument passed, and one beyond them is an error, as
+    in jax.jit; a positive one beyond them is ignored (a default was used)."""
+    n = len(args)
+    for i in static_argnums:
+        if i < -n:
+            raise ValueError(f"static_argnums={i} needs at least {-i} positional arguments, "
+                             f"but the call passed {n}; pass more or use a smaller index.")
+    nums = {i % n for i in static_argnums if i < n}
+    static = {i: a for i, a in enumerate(args) if i in nums}
+    dynamic = [a for i, a in enumerate(args) if i not in nums]
     return static, dynamic
 
 
@@ -60,6 +80,12 @@ def _merge_static(static, dynamic):
     for i in range(len(static) + len(dynamic)):
         out.append(static[i] if i in static else next(it))
     return out
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+    # jax.typeof keeps weak types (Python scalars, weak arrays) as jax.jit does
+    t = jax.typeof(x)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
 
 
 def _trace_flat(fn, args, kwargs, static_argnums, static_argnames):
@@ -72,13 +98,43 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames):
 
     def flat_fn(*xs):
         dyn, kw = jax.tree.unflatten(in_tree, xs)
-        return fn(*_merge_static(static, dyn), **kw, **static_kw)
+        args = _merge_static(static, dyn)
+        watched = _nnx_state((args, kw))
+        out = fn(*args, **kw, **static_kw)
+        _check_nnx_unchanged(fn, watched)
+        return out
 
-    specs = [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
-                                  weak_type=getattr(getattr(x, "aval", None), "weak_type", False))
-             for x in leaves]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_spec, leaves))
     return closed, leaves, jax.tree.structure(out_shape)
+
+
+def _nnx_state(tree) -> list:
+    """[(where, object, its leaves with paths, its treedef)] for every Flax
+    NNX object (module, optimizer, rngs, variable) in the argument tree.
+    Flax NNX objects are pytrees, so jax.jit takes them, but a method that
+    updates them (optimizer.update, BatchNorm statistics, Rngs counters)
+    updates the traced copy only: the caller's object keeps its old state."""
+    nnx = sys.modules.get("flax.nnx")  # no Flax loaded: no NNX objects
+    if nnx is None:
+        return []
+    kinds = (nnx.Pytree, nnx.Variable)
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kinds))[0]
+    return [(("args", "kwargs")[p[0].idx] + jax.tree_util.keystr(p[1:]), x,
+             *jax.tree_util.tree_flatten_with_path(x))
+            for p, x in found if isinstance(x, kinds)]
+
+
+def _check_nnx_unchanged(fn, watched) -> None:
+    for where, obj, leaves, tree in watched:
+        now, now_tree = jax.tree_util.tree_flatten_with_path(obj)
+        changed = [jax.tree_util.keystr(p) for (p, a), (_, b) in zip(leaves, now) if a is not b]
+        if changed or now_tree != tree:
+            raise TypeError(
+                f"jb.jit: {getattr(fn, '__name__', 'fn')} updated Flax NNX state at "
+                f"{where}{changed[0] if changed else ''} ({type(obj).__name__}), an update the "
+                f"compiled function, being pure, would lose; use nnx.jit for NNX-aware jit, or "
+                f"nnx.split the module, pass its state in and return the new state (nnx.merge "
+                f"inside; jaxbackend.nn.functional does this for parameters).")
 
 
 @dataclasses.dataclass
@@ -106,51 +162,64 @@ class PipelineTrace:
         return str(self.report)
 
 
-def _make_trace_method(fn, passes, static_argnums, static_argnames, transform):
-    def trace(*args, **kwargs) -> PipelineTrace:
+def _make_trace_passes(fn, passes, static_argnums, static_argnames, transform):
+    def trace_passes(*args, **kwargs) -> PipelineTrace:
         """Run the pipeline on fn's jaxpr for these args, keeping every stage."""
         closed, _, _ = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
         closed, report = _pipeline.run_pipeline(closed, passes, keep_jaxprs=True,
                                                 label=getattr(fn, "__name__", "fn"))
         if transform is not None:
-            closed = transform(closed)
+            closed = _pipeline.checked("_transform", transform, closed)
             report.jaxprs.append(("transform", closed))
         return PipelineTrace(report.jaxprs, report)
 
-    return trace
+    return trace_passes
 
 
-def _normalize_argnums(argnums) -> tuple:
+def _index_tuple(argnums) -> tuple | None:
     if argnums is None:
-        return ()
-    if isinstance(argnums, int):
-        return (argnums,)
-    return tuple(argnums)
+        return None
+    try:
+        return (operator.index(argnums),)
+    except TypeError:
+        return tuple(map(operator.index, argnums))
 
 
 def _complete_statics(fn, static_argnums, static_argnames):
-    """Both forms of every static argument, as jax.jit infers them from the
-    signature, so a static parameter is static whether passed by position
-    or by name (our traced body sees fn's signature via functools.wraps)."""
+    """(static_argnums, static_argnames) completed as jax.jit completes them
+    (jax._src.api_util.infer_argnums_and_argnames, JAX 0.10.2): given one of
+    the two, the other follows from fn's positional-or-keyword parameters;
+    given both or neither, they stand as given. We hand jax.jit both, so it
+    holds static exactly the arguments our body splits off. A negative
+    argnum gets no name: it resolves per call (`_split_static`)."""
+    nums = _index_tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+    names = None if names is None else tuple(names)
+    if (nums is None) == (names is None):
+        return nums or (), names or ()
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return static_argnums, static_argnames
-    positional = [p.name for p in params
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    nums = {i % len(positional) if i < 0 and positional else i for i in static_argnums}
-    names = set(static_argnames)
-    for i in list(nums):
-        if i < len(positional) and params[i].kind is not params[i].POSITIONAL_ONLY:
-            names.add(positional[i])
-    for name in list(names):
-        if name in positional:
-            nums.add(positional.index(name))
-    return tuple(sorted(nums)), tuple(sorted(names))
+        return nums or (), names or ()
+    pk = [(i, p.name) for i, p in enumerate(params) if p.kind is p.POSITIONAL_OR_KEYWORD]
+    if nums is None:
+        return tuple(i for i, k in pk if k in names), names
+    return nums, tuple(k for i, k in pk if i in nums)
 
 
-def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
-        static_argnames=(), donate_argnums=(), in_shardings=_UNSPECIFIED,
+def _check_callable(fn) -> None:
+    # what jax.jit refuses at once (jax._src.api_util.check_callable), refused
+    # here too: our body would otherwise hide it until the first call
+    if isinstance(fn, staticmethod) or not callable(fn):
+        raise TypeError(f"jb.jit: fn={fn!r} is not callable; pass the function to compile, "
+                        f"e.g. jb.jit(loss_fn).")
+    if inspect.isgeneratorfunction(fn):
+        raise TypeError(f"jb.jit: fn={getattr(fn, '__name__', fn)!r} is a generator function; "
+                        f"jit needs a function that returns arrays, not one that yields them.")
+
+
+def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
+        static_argnames=None, donate_argnums=None, in_shardings=_UNSPECIFIED,
         out_shardings=_UNSPECIFIED, reroll: bool | int = True, mesh=None, rules=None,
         memory_budget=None, _transform: Callable | None = None, **jax_jit_kwargs):
     """Like `jax.jit(fn)`, with jaxbackend's passes run on the traced jaxpr.
@@ -160,15 +229,19 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     what they mean for `jax.jit` and are passed to it.
 
     reroll: repeated layers are rolled into `scan` (compile time flat in
-    depth) from `passes.REROLL_MIN_REPEATS` repeats; an int changes that
-    minimum, False switches the pass off.
+    depth) from `passes.REROLL_MIN_REPEATS` repeats; an integer >= 2
+    changes that minimum, False switches the pass off.
 
     mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). The sharding search
     picks dim-name rules for it (or `rules=` gives them), and the program
     compiles with the plan's input/output shardings and a sharding
     constraint on every named contraction (layers are not rolled into
     `scan` under a mesh); `fn.plan` is the latest plan.
+
+    The result is JAX's jit object; `.trace_passes(*args)` adds the jaxpr
+    before and after each pass (`PipelineTrace`).
     """
+    _check_callable(fn)
     passes = _pipeline.configure(passes, reroll=reroll)
     if mesh is not None:
         return _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
@@ -176,8 +249,6 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     if rules is not None or memory_budget is not None:
         raise ValueError("jb.jit: rules= and memory_budget= describe a sharding plan and need "
                          "mesh=; pass mesh=jax.sharding.Mesh(...) too.")
-    static_argnums = _normalize_argnums(static_argnums)
-    static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
     static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
     _pipeline.resolve(passes)  # fail early on unknown pass names
     holder: list = []
@@ -187,7 +258,7 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
         closed, leaves, out_tree = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
         closed, report = _pipeline.run_pipeline(closed, passes, label=getattr(fn, "__name__", "fn"))
         if _transform is not None:
-            closed = _transform(closed)
+            closed = _pipeline.checked("_transform", _transform, closed)
         if holder:
             holder[0].trace_count += 1
             holder[0].last_report = report
@@ -202,8 +273,10 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=(),
     jitted = jax.jit(body, **kw)
     # Return jax's own jit function object, so a call *is* a jax.jit call
     # (C++ fast path, measured equal in benchmarks/dispatch.py). Our extras
-    # are instance attributes; `trace` shadows jax's `Traced`-returning method.
-    jitted.trace = _make_trace_method(fn, passes, static_argnums, static_argnames, _transform)
+    # are instance attributes with names of our own: JAX calls its `trace`,
+    # `lower` and `eval_shape` itself (make_jaxpr, eval_shape, nested jit).
+    jitted.trace_passes = _make_trace_passes(fn, passes, static_argnums, static_argnames,
+                                             _transform)
     jitted.passes = passes
     jitted.trace_count = 0      # times fn was traced for XLA (cache misses)
     jitted.last_report = None   # passes.Report of the most recent trace
@@ -235,14 +308,13 @@ def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argn
             f"close over static values with functools.partial, or drop mesh= to use them.")
     from jaxbackend import sharding  # the sharding stage is only loaded when used
 
-    chosen = [(n, f) for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll")]
+    chosen = [f for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll")]
 
     def planned_passes(closed):
-        for _, f in chosen:
-            closed = f(closed)
-        return transform(closed) if transform is not None else closed
+        closed, _ = _pipeline.run_pipeline(closed, chosen, label=getattr(fn, "__name__", "fn"))
+        return _pipeline.checked("_transform", transform, closed) if transform else closed
 
     out = sharding.sharded_jit(fn, mesh=mesh, rules=rules, memory_budget=memory_budget,
                                transform=planned_passes)
-    out.passes = tuple(n for n, _ in chosen)
+    out.passes = tuple(n for n, _ in _pipeline.resolve(chosen))
     return out

@@ -101,6 +101,9 @@ class GPT(nnx.Module):
         return nll.mean()
 
 
+_MODE_FLAGS = ("deterministic", "use_running_average")  # what nnx's eval()/train() set
+
+
 @nnx.jit
 def _next_logits(model, window, pos):
     # Module level, so repeated `generate` calls reuse one compiled program.
@@ -116,6 +119,10 @@ def generate(model: GPT, prompt, steps: int, *, key, temperature: float = 1.0) -
     last real position, which padding cannot affect (causal attention).
     """
     n = model.config.seq_len
+    # Sampling runs in eval mode; afterwards every module's mode flag is
+    # what the caller had (a model in eval mode stays in eval mode).
+    modes = [(m, a, getattr(m, a)) for _, m in nnx.iter_graph(model)
+             if isinstance(m, nnx.Module) for a in _MODE_FLAGS if hasattr(m, a)]
     model.eval()
     ids = list(prompt) or [0]
     out = []
@@ -129,5 +136,6 @@ def generate(model: GPT, prompt, steps: int, *, key, temperature: float = 1.0) -
             ids.append(nxt)
             out.append(nxt)
     finally:
-        model.train()
+        for m, a, v in modes:
+            setattr(m, a, v)
     return out

@@ -19,15 +19,26 @@ The primitive lowers by itself (a `dot_general` plus a `transpose` only where
 program needs no pass; `passes.inline` uses the same `einsum_to_dot_general`
 to rewrite the jaxpr for XLA.
 
+Dtypes are dot_general's, since the primitive is one: the result dtype and
+weak type come from dot_general's own rule (mixed operand dtypes allowed,
+`preferred_element_type` as there), and the transpose rules do what
+dot_general's do: contract the cotangent with the forward
+`preferred_element_type` (bf16 operands accumulated in float32 get float32
+accumulated cotangents), then cast to the primal operand's dtype and weak
+type, so every cotangent has its primal's type.
+
 vmap adds an axis with no name: the batching rule names it
 `__vmap<k>__` (unused elsewhere) where it sits in each operand and returns it
 where dot_general's natural order puts it (first if `out_dims` already needs
-a transpose), so vmap adds no moveaxis and no transpose of its own.
+a transpose), so vmap adds no moveaxis and no transpose of its own. JAX calls
+the rule for every einsum bound under vmap, also when neither operand is
+batched (the primal einsum under `jacfwd`, `hessian`, vmap of `jvp`); then
+the einsum is bound as is and its result is unbatched (`None`).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import jax
 from jax import lax
 
 from jaxbackend import _jax
@@ -86,24 +97,37 @@ def _check(lhs_shape, rhs_shape, lhs_dims, rhs_dims, out_dims):
 def _abstract_eval(lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision,
                    preferred_element_type):
     shape = _check(lhs.shape, rhs.shape, lhs_dims, rhs_dims, out_dims)
-    dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-    return _jax.ShapedArray(shape, dtype)
+    dn, _ = _dimension_numbers(lhs_dims, rhs_dims, out_dims)
+    dot = _jax.dot_general_out_aval(lhs, rhs, dimension_numbers=dn, precision=precision,
+                                    preferred_element_type=preferred_element_type)
+    return _jax.ShapedArray(shape, dot.dtype, weak_type=dot.weak_type)
 
 
 def _impl(lhs, rhs, **params):
     return einsum_to_dot_general(lhs, rhs, **params)
 
 
+def _cast_like(x, primal):
+    # dot_general's transpose rule: the contraction ran in the forward
+    # preferred_element_type; the cotangent takes the primal's type.
+    aval = primal.aval
+    if x.dtype == aval.dtype:
+        return x
+    return _jax.convert_element_type(x, aval.dtype, aval.weak_type)
+
+
 def _transpose_lhs(ct, lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision,
                    preferred_element_type):
-    return einsum_p.bind(ct, rhs, lhs_dims=out_dims, rhs_dims=rhs_dims, out_dims=lhs_dims,
-                         precision=precision, preferred_element_type=lhs.aval.dtype)
+    return _cast_like(einsum_p.bind(ct, rhs, lhs_dims=out_dims, rhs_dims=rhs_dims,
+                                    out_dims=lhs_dims, precision=precision,
+                                    preferred_element_type=preferred_element_type), lhs)
 
 
 def _transpose_rhs(ct, lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision,
                    preferred_element_type):
-    return einsum_p.bind(lhs, ct, lhs_dims=lhs_dims, rhs_dims=out_dims, out_dims=rhs_dims,
-                         precision=precision, preferred_element_type=rhs.aval.dtype)
+    return _cast_like(einsum_p.bind(lhs, ct, lhs_dims=lhs_dims, rhs_dims=out_dims,
+                                    out_dims=rhs_dims, precision=precision,
+                                    preferred_element_type=preferred_element_type), rhs)
 
 
 def _fresh_name(taken) -> str:
@@ -118,6 +142,10 @@ def _batch_rule(axis_size, vals, bdims, *, lhs_dims, rhs_dims, out_dims, precisi
     # Name the mapped axis where it already sits in each operand (dims are
     # names, so no moveaxis is needed) and return it where dot_general puts
     # it, so vmap adds no transpose beyond what `out_dims` already needed.
+    if all(b is None for b in bdims):  # e.g. the primal einsum under jacfwd
+        return einsum_p.bind(*vals, lhs_dims=lhs_dims, rhs_dims=rhs_dims, out_dims=out_dims,
+                             precision=precision,
+                             preferred_element_type=preferred_element_type), None
     name = _fresh_name(set(lhs_dims) | set(rhs_dims))
     dims = [tuple(lhs_dims), tuple(rhs_dims)]
     for i, b in enumerate(bdims):
@@ -144,6 +172,10 @@ _jax.register_lowering_from_fun(einsum_p, _impl)
 def einsum(lhs, rhs, *, lhs_dims, rhs_dims, out_dims, precision=None,
            preferred_element_type=None):
     """Bind one `einsum` equation on raw arrays (dims already validated)."""
+    # Canonical dtype (as lax.dot_general stores it): hashable, comparable
+    # params, so equal einsums look equal to CSE and to the fuse pass.
+    if preferred_element_type is not None:
+        preferred_element_type = jax.dtypes.canonicalize_dtype(preferred_element_type)
     return einsum_p.bind(lhs, rhs, lhs_dims=tuple(lhs_dims), rhs_dims=tuple(rhs_dims),
                          out_dims=tuple(out_dims), precision=precision,
                          preferred_element_type=preferred_element_type)

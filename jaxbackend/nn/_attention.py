@@ -1,14 +1,15 @@
 """Named multi-head self-attention: causal mask, grouped-query attention,
 optional rotary positions.
 
-Dims: the input carries `time` and `embd` (plus any batch dims). Projections
-are `Linear`s: q: embd -> (head, hd); k, v: embd -> (kv_head, hd); out:
-(head, hd) -> embd. With grouped-query attention (`kv_heads < heads`) the
-query heads are split by name, head -> (kv_head, group), so each group of
-query heads reads one key/value head without copying k or v (no `repeat`):
-the score contraction simply has `kv_head` as a batch dim and `group` as a
-free dim. Keys get their time dim renamed `time_k`, so the scores carry
-(..., time, time_k) and the causal mask is `time >= time_k` by name.
+Dims: the input carries a sequence dim (`time=`, default "time") and `embd`
+(plus any batch dims). Projections are `Linear`s: q: embd -> (head, hd);
+k, v: embd -> (kv_head, hd); out: (head, hd) -> embd. With grouped-query
+attention (`kv_heads < heads`) the query heads are split by name, head ->
+(kv_head, group), so each group of query heads reads one key/value head
+without copying k or v (no `repeat`): the score contraction simply has
+`kv_head` as a batch dim and `group` as a free dim. Keys get their sequence
+dim renamed `<time>_k` (`time_k`), so the scores carry (..., time, time_k)
+and the causal mask is `time >= time_k` by name.
 
 Rotary positions (RoPE, the "rotate half" form) rotate the first and second
 halves of `hd` of q and k by position-dependent angles; `rope(...)` is
@@ -46,12 +47,16 @@ def rope(x: nx.NamedArray, *, time: str = "time", hd: str = "hd", base: float = 
 
 
 class MultiHeadAttention(nnx.Module):
-    """Self-attention over `time`: (..., time, embd) -> (..., time, embd)."""
+    """Self-attention over the sequence dim `time` (an argument, default
+    "time"): (..., time, embd) -> (..., time, embd); keys use `<time>_k`."""
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  head_dim: int | None = None, causal: bool = True, rotary: bool = False,
-                 use_bias: bool = True, dropout: float = 0.0, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 use_bias: bool = True, dropout: float = 0.0, time: str = "time",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if not isinstance(time, str) or not time:
+            raise nx.DimError(f"MultiHeadAttention: time={time!r} must be a dim name (a non-empty "
+                              f"str), the input's sequence dim.")
         kv_heads = heads if kv_heads is None else kv_heads
         if heads % kv_heads:
             raise nx.DimError(f"MultiHeadAttention: heads={heads} is not a multiple of "
@@ -63,6 +68,7 @@ class MultiHeadAttention(nnx.Module):
             head_dim = embd // heads
         self.embd, self.heads, self.kv_heads, self.head_dim = embd, heads, kv_heads, head_dim
         self.causal, self.rotary = causal, rotary
+        self.time, self.time_k = time, f"{time}_k"
         kv = "head" if kv_heads == heads else "kv_head"
         self.kv_dim = kv
         self.query = Linear({"embd": embd}, {"head": heads, "hd": head_dim}, use_bias=use_bias,
@@ -77,22 +83,24 @@ class MultiHeadAttention(nnx.Module):
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         check_input("MultiHeadAttention", x, {"embd": self.embd})
-        if "time" not in x.dims or "time_k" in x.dims:
-            raise nx.DimError(f"MultiHeadAttention: the input has dims {x.dims}; it needs a "
-                              f"'time' dim and no 'time_k' dim (keys use that name).")
+        tq, tk = self.time, self.time_k
+        if tq not in x.dims or tk in x.dims:
+            raise nx.DimError(f"MultiHeadAttention: the input has dims {x.dims}; it needs the "
+                              f"sequence dim {tq!r} and no {tk!r} dim (keys use that name); "
+                              f"pass time=<the input's sequence dim>.")
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.rotary:
-            q, k = rope(q), rope(k)
-        k, v = k.rename(time="time_k"), v.rename(time="time_k")
+            q, k = rope(q, time=tq), rope(k, time=tq)
+        k, v = k.rename({tq: tk}), v.rename({tq: tk})
         if self.kv_dim != "head":  # GQA: head -> (kv_head, group), by name
             q = q.unstack(head={"kv_head": self.kv_heads, "group": self.heads // self.kv_heads})
         s = nx.dot(q, k, dim="hd") / math.sqrt(self.head_dim)
         if self.causal:
-            t = x.sizes["time"]
-            mask = nx.arange(t, dim="time") >= nx.arange(t, dim="time_k")
+            t = x.sizes[tq]
+            mask = nx.arange(t, dim=tq) >= nx.arange(t, dim=tk)
             s = nx.where(mask, s, jnp.finfo(s.dtype).min)
-        a = self.dropout(nx.softmax(s, dim="time_k"))
-        o = nx.dot(a, v, dim="time_k")
+        a = self.dropout(nx.softmax(s, dim=tk))
+        o = nx.dot(a, v, dim=tk)
         if self.kv_dim != "head":
             o = o.stack(head=("kv_head", "group"))
         return self.out(o)

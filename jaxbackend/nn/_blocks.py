@@ -43,18 +43,20 @@ class MLP(nnx.Module):
 
 
 class TransformerBlock(nnx.Module):
-    """Pre-norm block: x + attn(norm1(x)); then x + mlp(norm2(x))."""
+    """Pre-norm block: x + attn(norm1(x)); then x + mlp(norm2(x)). `time`
+    names the sequence dim attention runs over."""
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  mlp_hidden: int | None = None, activation: str = "gelu", norm: str = "layernorm",
                  rotary: bool = False, use_bias: bool = True, dropout: float = 0.0,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 time: str = "time", dtype=jnp.float32, rngs: nnx.Rngs):
         if norm not in NORMS:
             raise ValueError(f"TransformerBlock: norm={norm!r} is not one of {tuple(NORMS)}.")
         Norm = NORMS[norm]
         self.norm1 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
         self.attn = MultiHeadAttention(embd, heads, kv_heads=kv_heads, rotary=rotary,
-                                       use_bias=use_bias, dropout=dropout, dtype=dtype, rngs=rngs)
+                                       use_bias=use_bias, dropout=dropout, time=time, dtype=dtype,
+                                       rngs=rngs)
         self.norm2 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
         self.mlp = MLP(embd, mlp_hidden or 4 * embd, activation=activation, use_bias=use_bias,
                        dropout=dropout, dtype=dtype, rngs=rngs)

@@ -20,6 +20,7 @@ counters) map to replicated specs.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -172,16 +173,52 @@ def annotate_logical_axes(module: nnx.Module) -> nnx.Module:
 
 def functional(model: nnx.Module, method: str = "loss"):
     """`(params, fn)`: the model's parameters as a pure dict of arrays and
-    `fn(params, *args)` calling `model.<method>(*args)` with those params.
+    `fn(params, *args, key=None, **kwargs)` calling `model.<method>(*args,
+    **kwargs)` with those params.
 
     For `jax.value_and_grad`, optax and `jb.jit`, which want functions of
-    plain pytrees; the model's non-parameter state is closed over as is.
+    plain pytrees. `fn` is pure, so any jit or grad may trace it: it reads
+    the model's other state (RNG streams included) as it was when
+    `functional` was called and never writes back. Randomness (dropout)
+    therefore comes from `key`, a JAX PRNG key: each RNG stream of the model
+    is re-seeded from `fold_in(key, i)` (i: the stream's place in the state),
+    so a fresh key per call (`jax.random.fold_in(key, step)`) gives fresh
+    masks and the same key the same masks. Without `key` every call draws
+    the masks of the model's RNG state at `functional` time. The model's
+    mode is fixed then too: call `model.eval()` before `functional` for a
+    deterministic `fn`.
     """
     graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
 
-    def fn(params, *args):
+    def fn(params, *args, key=None, **kwargs):
         state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
         nnx.replace_by_pure_dict(state, params)
-        return getattr(nnx.merge(graphdef, state, rest), method)(*args)
+        return getattr(nnx.merge(graphdef, state, _fresh_rest(rest, key)), method)(*args, **kwargs)
 
     return nnx.to_pure_dict(pstate), fn
+
+
+def _fresh_rest(rest, key):
+    # New Variables, made in the current trace: Flax lets a Variable (an RNG
+    # stream's counter) be advanced only in the trace that created it, and
+    # copies also keep the closed-over state free of this trace's values.
+    if key is not None:
+        key = _as_key(key)
+    streams = itertools.count()
+
+    def copy(v):
+        if key is not None and isinstance(v, nnx.RngKey):
+            return v.copy(jax.random.fold_in(key, next(streams)))
+        return v.copy()
+    return jax.tree.map(copy, rest, is_leaf=_is_var)
+
+
+def _as_key(key):
+    shape = getattr(key, "shape", None)
+    if shape is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and shape == ():
+        return key
+    if shape == (2,) and key.dtype == jnp.uint32:  # a raw jax.random.PRNGKey
+        return jax.random.wrap_key_data(key)
+    what = type(key).__name__ if shape is None else f"an array of shape {shape} dtype {key.dtype}"
+    raise TypeError(f"functional: key is {what}, not a single JAX PRNG key; pass "
+                    f"key=jax.random.key(seed) (per step: jax.random.fold_in(key, step)).")

@@ -6,7 +6,12 @@ equation list, `period` equations each, such that
 
 1. the blocks are structurally identical: equation r of every block has the
    same primitive, the same parameters, the same operand and result types and
-   the same literal operands (checked by comparing interned signatures);
+   the same literal operands (checked by comparing interned signatures).
+   "Same parameters" is structural (`_rewrite.StructuralKeys`), never printed
+   text: sub-jaxprs compared recursively (const values included), a
+   custom_jvp rule by its traced JVP jaxpr, any other function-valued
+   parameter (a custom_vjp `bwd`, a callback) by identity, so layers that
+   differ only there are not merged;
 2. they have the same data flow: operand k of equation r reads, in every
    block, either a value made earlier in the same block at the same place
    (`int`), a value made by the previous block at the same place (`car`, a
@@ -22,8 +27,10 @@ after it is made (a skip connection across layers) rejects the whole region,
 and any run at another period (say two layers per block) overlapping it:
 such a chain is not a simple layer loop.
 
+Blocks must weigh at least MIN_BLOCK_EQNS equations, sub-jaxprs included.
+
 Linear time: equations are hashed once into interned integer signatures
-(parameters canonicalised, sub-jaxprs printed once per distinct object); the
+(parameters canonicalised, sub-jaxprs keyed once per distinct object); the
 candidate periods are the distances between consecutive occurrences of equal
 signatures (a histogram, best few kept); each candidate is checked by one
 scan `sig[i] == sig[i + period]`; each found region is verified block by
@@ -40,10 +47,13 @@ import dataclasses
 import numpy as np
 
 from jaxbackend import _jax
+from jaxbackend.passes import _rewrite
 
 MAX_PERIOD_CANDIDATES = 16
-# A block shorter than this is not worth a loop (a scan costs more than the
-# couple of kernels it would save): e.g. AD's `mul` chains from x ** 2.
+# A block lighter than this is not worth a loop (a scan costs more than the
+# couple of kernels it would save): e.g. AD's `mul` chains from x ** 2. The
+# weight of an equation counts the equations of its sub-jaxprs (a layer
+# that is one `jax.checkpoint` equation weighs the whole layer).
 MIN_BLOCK_EQNS = 4
 
 
@@ -70,79 +80,39 @@ class Run:
 # ---------------------------------------------------------------------------
 # signatures
 
-_JAXPR_TYPES = (_jax.ClosedJaxpr, _jax.Jaxpr)
-
-
-class _Canon:
-    """Hashable canonical forms of equation parameters (memoised per object)."""
-
-    def __init__(self):
-        self._jaxpr_keys: dict = {}
-
-    def jaxpr_key(self, jaxpr):
-        k = self._jaxpr_keys.get(id(jaxpr))
-        if k is None:
-            k = self._jaxpr_keys[id(jaxpr)] = (str(jaxpr), jaxpr)  # keep obj alive: id stays unique
-        return k[0]
-
-    def params(self, params: dict):
-        """Key of an equation's parameter dict. Fast path: no sub-jaxpr and
-        every value hashable (most equations) -> the sorted items themselves."""
-        if not any(isinstance(v, _JAXPR_TYPES) or (type(v) is tuple and v
-                                                   and isinstance(v[0], _JAXPR_TYPES))
-                   for v in params.values()):
-            key = tuple(sorted(params.items()))
-            try:
-                hash(key)
-                return key
-            except TypeError:
-                pass
-        return self(params)
-
-    def __call__(self, x):
-        if isinstance(x, _jax.ClosedJaxpr):
-            return ("cj", self.jaxpr_key(x.jaxpr), tuple(id(c) for c in x.consts))
-        if isinstance(x, _jax.Jaxpr):
-            return ("j", self.jaxpr_key(x))
-        if isinstance(x, (tuple, list)):
-            return tuple(self(y) for y in x)
-        if isinstance(x, dict):
-            return tuple(sorted((k, self(v)) for k, v in x.items()))
-        try:
-            hash(x)
-        except TypeError:  # arrays and other unhashables: identity (conservative)
-            return ("id", id(x))
-        return x
-
-
-def _literal_key(lit):
-    val = np.asarray(lit.val)
-    return ("lit", lit.aval, val.dtype.str, val.shape, val.tobytes())
-
-
-def signatures(eqns) -> list:
-    """One interned int per equation; equal ints <=> same primitive, params,
-    operand types, literal values and result types."""
-    canon, intern, sigs = _Canon(), {}, []
+def signatures(eqns, keys: _rewrite.StructuralKeys) -> list:
+    """One interned int per equation; equal ints <=> same primitive, params
+    (sub-jaxprs and custom rules by structure, other functions by identity:
+    see `StructuralKeys`), context, operand types, literal values and result
+    types. Never printed text: layers that differ only in a custom_vjp `bwd`
+    or a callback print alike but must not share one scan body."""
+    intern, sigs = {}, []
     for i, e in enumerate(eqns):
         if e.effects:  # effectful equations never repeat (order matters)
             key = ("effects", i)
         else:
-            ins = tuple(_literal_key(v) if isinstance(v, _jax.Literal) else v.aval for v in e.invars)
-            key = (e.primitive.name, canon.params(e.params), ins, tuple(v.aval for v in e.outvars))
+            ins = tuple(keys.literal(v) if isinstance(v, _jax.Literal) else v.aval
+                        for v in e.invars)
+            key = (e.primitive, keys.params(e), ins, tuple(v.aval for v in e.outvars))
         sigs.append(intern.setdefault(key, len(intern)))
     return sigs
 
 
-def candidate_periods(sigs, min_repeats: int) -> list:
-    """Distances between consecutive equal signatures, best-covering first."""
-    last, hist = {}, collections.Counter()
+def candidate_periods(sigs, weights, min_repeats: int) -> list:
+    """Distances between consecutive equal signatures, best-covering first
+    (coverage counted in weight, so one remat equation per layer counts as
+    the layer). A distance under MIN_BLOCK_EQNS stays a candidate only when
+    equations with sub-jaxprs repeat at it; `find_runs` checks each run's
+    block weight."""
+    last, hist, heavy = {}, collections.Counter(), collections.Counter()
     for i, s in enumerate(sigs):
         if s in last:
-            hist[i - last[s]] += 1
+            d = i - last[s]
+            hist[d] += 1
+            heavy[d] += weights[i] - 1
         last[s] = i
-    ok = [(c * d, d) for d, c in hist.items()
-          if c >= max(1, min_repeats - 1) and d >= MIN_BLOCK_EQNS]
+    ok = [((c + heavy[d]) * d, d) for d, c in hist.items()
+          if c >= max(1, min_repeats - 1) and (d >= MIN_BLOCK_EQNS or heavy[d])]
     ok.sort(key=lambda t: (-t[0], t[1]))
     return [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
 
@@ -321,14 +291,19 @@ def _make_run(g: Graph, start: int, period: int, n: int, tmpl, init) -> Run:
                outside, ys_slots, carry_ys)
 
 
-def find_runs(jaxpr, min_repeats: int = 2) -> list:
-    """Non-overlapping verified runs of `jaxpr` (top level), in program order."""
-    if len(jaxpr.eqns) < 2 * min_repeats:
+def find_runs(jaxpr, min_repeats: int = 2, keys: _rewrite.StructuralKeys | None = None) -> list:
+    """Non-overlapping verified runs of `jaxpr` (top level), in program order.
+    `keys`: share one across the jaxprs of one program, so each sub-jaxpr is
+    keyed once however deep it is nested."""
+    if len(jaxpr.eqns) < min_repeats:
         return []
+    keys = _rewrite.StructuralKeys() if keys is None else keys
     g = Graph(jaxpr)
-    sigs = signatures(jaxpr.eqns)
+    sigs = signatures(jaxpr.eqns, keys)
+    weights = [keys.weight(e) for e in jaxpr.eqns]
+    prefix = np.concatenate([[0], np.cumsum(weights)])
     found, skips = [], []                            # (run, region); (a, b) rejected
-    for period in candidate_periods(sigs, min_repeats):
+    for period in candidate_periods(sigs, weights, min_repeats):
         for a, b in periodic_regions(sigs, period, min_repeats):
             ranked = phase_ranking(g, a, b, period, min_repeats)
             if not ranked:
@@ -336,8 +311,9 @@ def find_runs(jaxpr, min_repeats: int = 2) -> list:
             runs = split_runs(g, ranked[0][2], period, -ranked[0][1], min_repeats)
             if runs is None:
                 skips.append((a, b))
-            else:
-                found.extend((r, (a, b, period, ranked)) for r in runs)
+            else:   # (every block of a run weighs the same: it is a window of one period)
+                found.extend((r, (a, b, period, ranked)) for r in runs
+                             if prefix[r.start + period] - prefix[r.start] >= MIN_BLOCK_EQNS)
     # a skip connection seen at one period also vetoes the same equations at a
     # multiple of it (two layers per block would hide the skip inside a block)
     found = [(r, reg) for r, reg in found

@@ -1,16 +1,15 @@
 """Sum sinking for `hoist_broadcast`: a `reduce_sum` over axes along which a
-factor is constant moves inside the product.
+compile-time factor is constant moves inside the product.
 
-Reverse-mode AD of broadcast code ends in `reduce_sum` over the broadcast's
-created axes (the transpose of `broadcast_in_dim`), applied to a *linear*
-expression of the cotangent whose coefficients are broadcasts along those
-same axes: sum_g(ct_g * c) = c * sum_g(ct_g). Doing the sum first makes the
-backward of the GQA "expand" XSA form as cheap as the "unsqueeze" form's.
+AD transposes a broadcast into a `reduce_sum` over its created axes, applied
+to a linear expression of the cotangent whose coefficients may be broadcasts
+along those axes: sum_g(ct_g * c) = c * sum_g(ct_g). Doing the sum first
+saves the multiplies (or divides) at the broadcast size.
 
-`plan(producer, atom, axes)` analyses, without emitting anything, how
+`plan(producer, atom, axes, value)` analyses, without emitting anything, how
 `reduce_sum(atom, axes)` distributes through the producers of `atom`:
 
-    mul/div by a factor constant along `axes`   -> factor out (squeezed)
+    mul/div by a safe factor constant along `axes` -> factor out (squeezed)
     neg                                        -> sink into the operand
     add / sub / add_any                        -> sink into both operands
     broadcast_in_dim with `axes` all real      -> sink into its operand
@@ -21,16 +20,116 @@ backward of the GQA "expand" XSA form as cheap as the "unsqueeze" form's.
 It returns None unless at least one factor comes out (otherwise nothing is
 saved). The walk visits at most `MAX_NODES` producers per root, so a rule
 call costs O(1) in the size of the graph. `emit(ctx, plan)` builds it.
-
 A size-1 axis counts as constant (summing it is a reshape).
+
+When this preserves `jax.jit`'s results. The conditions, each checked in
+`_plan` (a node that fails one is a leaf: the sum stays where it was):
+
+* dtype float32 or float64, on every node. A plan has one dtype throughout
+  (neg, add, broadcast, reshape and reduce_sum keep it; a mul/div whose
+  operands differ in dtype or that sets `out_dtype` is a leaf).
+  - Never integers or bool: integer division does not distribute
+    (sum([1, 1, 1, 1] // 2) = 0 but sum([1, 1, 1, 1]) // 2 = 2). Wrapping
+    integer add and mul would be exact, but a plan is only emitted when a
+    factor comes out, so integers are excluded altogether.
+  - Never float16 or bfloat16: their range or precision makes a changed
+    result realistic (float16: sum(t * 0.25) of 8 x 30000 is 59968, while
+    sum(t) overflows, so sum(t) * 0.25 is inf).
+* the factor c is known at compile time, never a runtime value: a Literal,
+  a closed-over const of the top-level jaxpr (`hoist_broadcast` passes
+  them), or computed from those by at most `CONST_EQNS` equations of
+  `CONST_PRIMITIVES` (exact or correctly rounded ops, evaluated here one by
+  one; each value at most `CONST_SIZE` elements). Every element of c must
+  be finite and normal (|c| >= the dtype's smallest normal number: never 0
+  and never subnormal, which flush-to-zero hardware reads as 0). Why: with
+  t = [1, 0], sum(t * inf) is nan but inf * sum(t) is inf; sum(t / 0) is
+  nan but sum(t) / 0 is inf. A runtime factor (e.g. the normalised values
+  in the backward of the XSA expand form) may be inf or 0, so it stays.
+
+Under these conditions the results of jax.jit are preserved as follows:
+
+* non-finite values: exactly. With c finite and non-zero, t_g * c and
+  t_g / c are nan exactly where t_g is nan and infinite exactly where t_g
+  is (the sign flipped with c's), so both forms are nan iff a nan or both
+  infinities occur, else an infinity of the same sign. The reassociations
+  (add/sub/neg, broadcast, size-1 reshape, commuting sums) have the same
+  property in any order.
+* finite values: equal up to float rounding (exactly equal when c is a
+  power of two), unless a partial sum or product reaches the overflow
+  threshold (3.4e38 in float32) in one form only: at the edge of the range
+  one form can overflow where the other does not. That is the accepted
+  price of the float32/float64 rule, as for any reordering of a sum (XLA
+  picks its own order too).
+* sign of zero: not kept (an exactly cancelling sum times a negative c is
+  -0.0 here, +0.0 in jax.jit). XLA's own simplifier rewrites sum(-x) to
+  -sum(x), which does the same.
+* shape, dtype, weak type: unchanged (`hoist_broadcast` declines a
+  replacement whose type differs).
 """
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 from jax import lax
+
+from jaxbackend import _jax
 
 MAX_NODES = 48
 _ADD = frozenset({"add", "add_any", "sub"})
+SINK_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+# Compile-time factors: ops whose eager result is the compiled program's
+# (structural, or one correctly rounded IEEE operation), in a small budget.
+CONST_PRIMITIVES = frozenset("""
+broadcast_in_dim reshape squeeze expand_dims transpose convert_element_type iota
+neg abs add sub mul div max min
+""".split())
+CONST_EQNS = 16
+CONST_SIZE = 1 << 16
+
+
+def constant_value(producer, atom, consts):
+    """numpy value of `atom` when the jaxpr computes it from literals and
+    `consts` (constvar -> value) alone, within the budget of the module
+    doc; None when it depends on a runtime value or is out of budget."""
+    return _constant(producer, atom, consts, [CONST_EQNS])
+
+
+def _constant(producer, atom, consts, budget):
+    if atom.aval.size > CONST_SIZE:
+        return None
+    lit = _jax.literal_value(atom)
+    if lit is not None:
+        return lit
+    if atom in consts:
+        value = consts[atom]
+        # a const captured from an enclosing trace is a tracer: not known here
+        return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
+    eqn = producer(atom)
+    budget[0] -= 1
+    if (eqn is None or budget[0] < 0 or eqn.primitive.name not in CONST_PRIMITIVES
+            or eqn.effects or len(eqn.outvars) != 1):
+        return None
+    args = []
+    for v in eqn.invars:
+        x = _constant(producer, v, consts, budget)
+        if x is None:
+            return None
+        args.append(x)
+    # jb.jit runs the passes inside jax.jit's trace: evaluate eagerly anyway
+    with jax.ensure_compile_time_eval():
+        (out,) = _jax.bind_eqn(eqn, args)
+    return np.asarray(out)
+
+
+def safe_factor(value, dtype) -> bool:
+    """Every element finite and normal (module doc: never inf, nan, 0 or
+    subnormal), for a factor of float dtype `dtype`."""
+    if value is None:
+        return False
+    mag = np.abs(np.asarray(value, dtype=dtype))
+    return bool(np.all(np.isfinite(mag)) and np.all(mag >= np.finfo(dtype).tiny))
 
 
 def _const_along(producer, atom, axes):
@@ -54,9 +153,12 @@ def _size1_reshape_map(in_shape, out_shape):
     return dict(zip(big_out, big_in))
 
 
-def plan(producer, atom, axes):
+def plan(producer, atom, axes, value=None):
+    """The sinking of `reduce_sum(atom, axes)`, or None. `value(atom)` is
+    the compile-time value of an atom or None (`constant_value`); without
+    it no factor is known, so nothing sinks."""
     budget = [MAX_NODES]
-    node = _plan(producer, atom, tuple(sorted(axes)), budget)
+    node = _plan(producer, atom, tuple(sorted(axes)), budget, value or (lambda a: None))
     return node if node is not None and node[0] != "leaf" and _useful(node) else None
 
 
@@ -79,10 +181,11 @@ def _fits(op_shape, shape) -> bool:
                               and all(n in (1, m) for n, m in zip(op_shape, shape)))
 
 
-def _plan(producer, atom, axes, budget):
+def _plan(producer, atom, axes, budget, value):
     leaf = ("leaf", atom, axes)
     budget[0] -= 1
-    if budget[0] <= 0 or not axes:
+    dtype = atom.aval.dtype
+    if budget[0] <= 0 or not axes or dtype not in SINK_DTYPES:
         return leaf
     eqn = producer(atom)
     if eqn is None:
@@ -92,23 +195,25 @@ def _plan(producer, atom, axes, budget):
     if ones:  # summing a size-1 axis is a reshape: sum the others, then drop these
         big = tuple(a for a in axes if shape[a] != 1)
         out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-        return ("reshape", _plan(producer, atom, big, budget), out_shape)
-    if name in ("mul", "div") and all(_fits(v.aval.shape, shape) for v in eqn.invars):
+        return ("reshape", _plan(producer, atom, big, budget, value), out_shape)
+    if (name in ("mul", "div") and eqn.params.get("out_dtype") is None
+            and all(_fits(v.aval.shape, shape) and v.aval.dtype == dtype for v in eqn.invars)):
         a, b = eqn.invars
         sides = [(a, b)] if name == "div" else [(a, b), (b, a)]
         for var, fac in sides:
             if var.aval.shape != shape:
                 continue
             c = (fac, None) if fac.aval.shape == () else _const_along(producer, fac, axes)
-            if c is not None:
-                return ("factor", name, _plan(producer, var, axes, budget), c,
+            # only a compile-time, finite, normal factor (module doc)
+            if c is not None and safe_factor(value(c[0]), dtype):
+                return ("factor", name, _plan(producer, var, axes, budget, value), c,
                         tuple(fac.aval.shape), axes, var is eqn.invars[0])
         return leaf
     if name == "neg":
-        return ("neg", _plan(producer, eqn.invars[0], axes, budget))
+        return ("neg", _plan(producer, eqn.invars[0], axes, budget, value))
     if name in _ADD and all(v.aval.shape == shape for v in eqn.invars):
-        return ("add", name, _plan(producer, eqn.invars[0], axes, budget),
-                _plan(producer, eqn.invars[1], axes, budget))
+        return ("add", name, _plan(producer, eqn.invars[0], axes, budget, value),
+                _plan(producer, eqn.invars[1], axes, budget, value))
     if name == "broadcast_in_dim" and len(eqn.invars) == 1:
         x = eqn.invars[0]
         dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
@@ -118,7 +223,7 @@ def _plan(producer, atom, axes, budget):
             out_axes = [a for a in range(len(shape)) if a not in axes]
             out_shape = tuple(shape[a] for a in out_axes)
             new_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
-            return ("bcast", _plan(producer, x, x_axes, budget), out_shape, new_dims)
+            return ("bcast", _plan(producer, x, x_axes, budget, value), out_shape, new_dims)
         return leaf
     if name == "reshape" and eqn.params.get("dimensions") is None and len(eqn.invars) == 1:
         x = eqn.invars[0]
@@ -126,7 +231,7 @@ def _plan(producer, atom, axes, budget):
         if m is not None and all(a in m or shape[a] == 1 for a in axes):
             x_axes = tuple(sorted(m[a] for a in axes if a in m))
             out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-            return ("reshape", _plan(producer, x, x_axes, budget), out_shape)
+            return ("reshape", _plan(producer, x, x_axes, budget, value), out_shape)
         return leaf
     if name == "reduce_sum":
         x = eqn.invars[0]
@@ -135,7 +240,8 @@ def _plan(producer, atom, axes, budget):
         x_axes = tuple(sorted(kept[a] for a in axes))
         # after summing x_axes first, the `other` axes shift down
         rest = [a for a in range(len(x.aval.shape)) if a not in x_axes]
-        return ("reduce", _plan(producer, x, x_axes, budget), tuple(rest.index(a) for a in other))
+        return ("reduce", _plan(producer, x, x_axes, budget, value),
+                tuple(rest.index(a) for a in other))
     return leaf
 
 

@@ -8,19 +8,24 @@ earlier duplicates were merged); a later duplicate's outputs are replaced by
 the first one's. AD of named code repeats work this removes (e.g. the same
 `broadcast_in_dim` of a mask or the same transposed weight, once per use).
 
-Leaves alone: equations with effects (random state, I/O, ordered effects),
-equations whose parameters are unhashable, `remat` bodies' duplicates of
-the outer program (a sub-jaxpr is its own scope: nothing crosses a
-sub-jaxpr boundary, so rematerialisation stays intact), the number and type
-of the jaxpr's outputs. Dead duplicates are left for `dce`.
+"Same parameters" is decided structurally (`_rewrite.StructuralKeys`):
+sub-jaxprs by structure and const values, function-valued parameters
+(custom_vjp rules, callbacks) by identity, never by printed text, so two
+calls that print alike but run different Python functions stay apart.
 
-Linear: one dict lookup per equation. Literal inputs are keyed by value, so
-`mul x 2.0` twice is one equation.
+Leaves alone: equations with effects (random state, I/O, ordered effects),
+`remat` bodies' duplicates of the outer program (a sub-jaxpr is its own
+scope: nothing crosses a sub-jaxpr boundary, so rematerialisation stays
+intact), the number and type of the jaxpr's outputs. Dead duplicates are
+left for `dce`.
+
+Linear: one dict lookup per equation; each distinct sub-jaxpr is keyed once.
+Literal inputs are keyed by value, so `mul x 2.0` twice is one equation.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
@@ -32,30 +37,19 @@ _NEVER = frozenset({"optimization_barrier", "remat", "checkpoint", "remat2", "ra
                     "random_wrap", "rng_uniform", "rng_bit_generator"})
 
 
-def _atom_key(a):
-    if _jax.is_var(a):
-        return a
-    val = np.asarray(a.val)
-    if val.ndim == 0:  # by bytes: 0.0 and -0.0 (and NaN payloads) are different literals
-        return ("lit", str(a.aval), val.dtype.str, val.tobytes())
-    return ("litid", id(a))
-
-
-def _key(eqn):
-    """Hashable identity of what an equation computes, or None."""
+def _key(keys, eqn):
+    """Hashable identity of what an equation computes, or None. Parameters
+    and sub-jaxprs are keyed by structure (`_rewrite.StructuralKeys`: a
+    function-valued parameter, such as a custom_vjp `bwd` or a callback, by
+    identity), never by printed text; inputs are the variables themselves,
+    literals by aval and bytes (0.0 and -0.0, NaN payloads, differ)."""
     if eqn.effects or eqn.primitive.name in _NEVER:
         return None
-    try:
-        key = (eqn.primitive, tuple(_atom_key(a) for a in eqn.invars),
-               tuple(sorted(eqn.params.items())))
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return (eqn.primitive, tuple(keys.atom(a) for a in eqn.invars), keys.params(eqn))
 
 
-def _rule(ctx, eqn):
-    key = _key(eqn)
+def _rule(keys, ctx, eqn):
+    key = _key(keys, eqn)
     if key is None:
         return None
     # `ctx.local` belongs to one walk of one (sub-)jaxpr: each is its own scope
@@ -73,20 +67,20 @@ def _rule(ctx, eqn):
 
 def cse(closed):
     """Merge duplicate effect-free equations (see module doc)."""
-    return _rewrite.rewrite(closed, {"*": _rule})
+    return _rewrite.rewrite(closed, {"*": functools.partial(_rule, _rewrite.StructuralKeys())})
 
 
 def remaining(closed) -> int:
     """Duplicate equations left (same key as an earlier one in its jaxpr)."""
     from jaxbackend import _jax as jx
 
-    n = 0
+    n, keys = 0, _rewrite.StructuralKeys()
     jaxprs = [closed.jaxpr] + [s for e in _rewrite.iter_eqns(closed)
                                for s in jx.jaxprs_in_params(e.params)]
     for jaxpr in jaxprs:
         seen = set()
         for eqn in jaxpr.eqns:
-            key = _key(eqn)
+            key = _key(keys, eqn)
             if key is not None and not any(jx.is_dropvar(v) for v in eqn.outvars):
                 n += key in seen
                 seen.add(key)

@@ -14,6 +14,12 @@ the signatures of sub-jaxprs (an unused output of a `scan` or `jit` body is
 kept, since the enclosing equation's type must not change; dead equations
 *inside* the body are removed). Unused constvars are dropped.
 
+When it preserves `jax.jit`'s results: always, exactly. It only removes
+equations that have no effects and whose outputs nothing reads, so every
+output is computed by the same equations from the same inputs, with the
+same shapes, dtypes and weak types. (An unread equation that would have
+overflowed or produced nan cannot change an output: nothing reads it.)
+
 This is not a rule table: liveness flows backwards, which the forward
 traversal of `_rewrite` cannot express, so it has its own small walker that
 recurses into the same sub-jaxpr parameters.

@@ -24,7 +24,27 @@ nothing else reads them; `dce` removes them.
 Leaves alone (conservative matchers): reshapes with `dimensions` set, any
 flatten that is not exactly `[*batch, K] -> [prod(batch), K]` with rank >= 3,
 an unflatten whose batch dims differ from the flatten's, dot_generals with
-batch dimensions or a weight that is not rank 2, and everything else.
+batch dimensions or a weight that is not rank 2, an F chain whose dot has
+an `out_sharding` or whose unflatten has a `sharding` (both name the 2-D
+shape, which the fused contraction does not have), and everything else.
+
+When it preserves `jax.jit`'s results. The fused contraction multiplies the
+same pairs of elements and sums, for each output element, the same K (F) or
+M (W) products as the 2-D dot did: the reshapes only regroup indices and
+never convert. It takes the dot's `precision` and `preferred_element_type`
+unchanged (so the same algorithm class and accumulation dtype) and the
+same operand dtypes (x, w, g themselves). Hence:
+
+* integers (int8 with `preferred_element_type=int32` included): exactly,
+  overflow included: the sum is accumulated in the same dtype, and
+  wrapping addition is associative and commutative, so the order XLA picks
+  for either dot does not matter;
+* floats: up to rounding of the summation order, which XLA chooses per dot
+  shape; the nan/inf pattern is the same (nan iff a product is nan or
+  products of both infinite signs occur), except where a reordered partial
+  sum reaches the overflow threshold in one order only, as for any dot;
+* dtype and weak type: the same, and checked: a replacement whose shape,
+  dtype or weak type differs from the equation it replaces is declined.
 """
 
 from __future__ import annotations
@@ -62,10 +82,12 @@ def _is_plain_2d_dot(eqn, lhs_contract, rhs_contract):
 
 def _match_forward(producer, eqn):
     """F: eqn is the unflattening reshape. Returns (x, w, c, dot) or None."""
-    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
+    if (eqn.params.get("dimensions") is not None or len(eqn.invars) != 1
+            or eqn.params.get("sharding") is not None):
         return None
     dot = producer(eqn.invars[0])
-    if dot is None or dot.primitive.name != "dot_general":
+    if (dot is None or dot.primitive.name != "dot_general"
+            or dot.params.get("out_sharding") is not None):
         return None
     w = dot.invars[1]
     c = next((c for c in (0, 1) if _is_plain_2d_dot(dot, 1, c)), None)
@@ -99,7 +121,17 @@ def _names(producer, atom):
     return None
 
 
+def _same_types(eqn, outs):
+    """`outs`, if each has the shape, dtype and weak type of the output it
+    replaces; otherwise the rule does not apply (when in doubt, keep)."""
+    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, outs)):
+        raise _rewrite.RewriteDeclined(f"{eqn.primitive.name}: fused contraction changes the type")
+    return outs
+
+
 def _emit(ctx, x, y, lhs_c, rhs_c, dot, names):
+    # precision and preferred_element_type carried over: same algorithm
+    # class and accumulation dtype as the 2-D dot (module doc)
     precision = dot.params.get("precision")
     pet = dot.params.get("preferred_element_type")
     if names is not None:
@@ -123,8 +155,9 @@ def _forward_rule(ctx, eqn):
     xn, wn = _names(ctx.producer, x), _names(ctx.producer, w)
     if xn is not None and wn is not None and xn[-1] == wn[c] and wn[1 - c] not in xn:
         names = (xn, wn, xn[:-1] + (wn[1 - c],))
+    out = _same_types(eqn, _emit(ctx, x, w, (r - 1,), (c,), dot, names))
     ctx.count("forward chain fused")
-    return _emit(ctx, x, w, (r - 1,), (c,), dot, names)
+    return out
 
 
 def _weight_grad_rule(ctx, eqn):
@@ -137,8 +170,9 @@ def _weight_grad_rule(ctx, eqn):
     xn, gn = _names(ctx.producer, x), _names(ctx.producer, g)
     if (xn is not None and gn is not None and xn[:-1] == gn[:-1] and xn[-1] != gn[-1]):
         names = (xn, gn, (xn[-1], gn[-1]))
+    out = _same_types(eqn, _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names))
     ctx.count("weight-grad chain fused")
-    return _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names)
+    return out
 
 
 RULES = {"reshape": _forward_rule, "dot_general": _weight_grad_rule}

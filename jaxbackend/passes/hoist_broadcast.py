@@ -15,11 +15,12 @@ rules (one walk, each sees earlier rewrites, so whole chains move up):
 * reduction over axes that are all real (non-created) axes of its broadcast
   operand: reduce x, then broadcast to the reduced shape;
 * broadcast of a broadcast: one broadcast (so the chain stays visible);
-* `reduce_sum` over axes along which factors of its (linear) operand are
-  constant: the sum moves inside the product (`_sink_sum`). This is the
-  backward of the above: AD transposes a broadcast into a sum over its
-  created axes, applied to cotangent * broadcast coefficients; summing the
-  cotangent first keeps the expand form's backward at KV-head size too.
+* `reduce_sum` over axes along which a compile-time factor of its (linear)
+  operand is constant: the sum moves inside the product (`_sink_sum`), for
+  float32/float64 and finite, normal factors only. AD transposes a
+  broadcast into such a sum (cotangent * coefficient, summed over the
+  created axes); runtime coefficients, like the normalised values in the
+  backward of the XSA expand form, are not sunk (they may be inf or 0).
 
 Invariant established: no elementwise op or reduction above reads only
 broadcasts that share a created axis of size > 1 (`remaining(closed) == 0`);
@@ -28,12 +29,36 @@ producers per sum) and is not part of the counted invariant.
 
 Leaves alone: ops with any operand that is not a broadcast or a scalar
 (e.g. `y * v_hat` where y is real data), reductions that touch a created
-axis (they would need a multiply), broadcasts with dynamic shapes, and
-everything else. Numerics: same values up to float reassociation-free
-identity (each op is applied to the same numbers, just fewer times).
+axis (they would need a multiply), broadcasts with dynamic shapes, ops and
+reductions with an explicit `sharding`/`out_sharding` parameter (it names
+the broadcast shape, not the smaller one), and everything else.
+
+When it preserves `jax.jit`'s results, rule by rule:
+
+* elementwise hoist: for every dtype (integers, bool and floats of every
+  width), exactly: the same primitive with the same parameters runs on the
+  same operand values, once per distinct value instead of once per copy.
+  Integer overflow, division by zero and nan/inf are per element, so they
+  come out the same. (The program XLA then compiles is smaller and may be
+  fused differently; that is XLA's freedom in either program.)
+* reduction hoist: each output element reduces the same elements of x.
+  reduce_max/min/and/or: exact. reduce_sum/prod: integers exact (wrapping
+  add and mul are associative and commutative); floats up to rounding of
+  XLA's summation order, nan/inf pattern the same (nan iff a nan or both
+  infinities occur, in any order); at the edge of the range a reordered
+  float sum or product can overflow or underflow differently, as in any
+  XLA reduction.
+* broadcast of a broadcast: exact (the same copies).
+* sum sinking: the conditions and what they guarantee are in `_sink_sum`
+  (float32/float64 only; compile-time factors that are finite and normal).
+
+Checked for every rule: a replacement whose shape, dtype or weak type
+differs from the equation it replaces is declined (`_same_types`).
 """
 
 from __future__ import annotations
+
+import functools
 
 from jax import lax
 
@@ -80,9 +105,22 @@ def _squeeze_to(x, dims, keep_axes, shape):
     return _broadcast(x, tuple(shape[a] for a in keep_axes), tuple(pos[dims[j]] for j in kept))
 
 
+def _sharded(params) -> bool:
+    """An explicit output sharding, which is for the full (broadcast) shape."""
+    return any(params.get(k) is not None for k in ("sharding", "out_sharding"))
+
+
+def _same_types(eqn, outs):
+    """`outs`, if each has the shape, dtype and weak type of the output it
+    replaces; otherwise the rule does not apply (when in doubt, keep)."""
+    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, outs)):
+        raise _rewrite.RewriteDeclined(f"{eqn.primitive.name}: replacement changes the type")
+    return outs
+
+
 def _elementwise_rule(ctx, eqn):
     shape = tuple(eqn.outvars[0].aval.shape)
-    if len(eqn.outvars) != 1 or not shape:
+    if len(eqn.outvars) != 1 or not shape or _sharded(eqn.params):
         return None
     sources = []
     for a in eqn.invars:
@@ -112,22 +150,27 @@ def _elementwise_rule(ctx, eqn):
                for x, lay in zip(xs, layout)]
         return _broadcast(prim.bind(*ops, **params), shape, keep)
 
-    ctx.count(f"hoisted {prim.name}")
     try:
         key = ("hoist", prim, tuple(sorted(params.items())), layout, shape)
         hash(key)
     except TypeError:
         key = None
-    return ctx.emit(fn, args, key)
+    out = _same_types(eqn, ctx.emit(fn, args, key))
+    ctx.count(f"hoisted {prim.name}")
+    return out
 
 
-def _reduction_rule(ctx, eqn):
+def _reduction_rule(ctx, eqn, consts=None):
+    if _sharded(eqn.params):
+        return None
     out = _hoist_reduction(ctx, eqn)
     if out is None and eqn.primitive.name == "reduce_sum":
-        node = _sink_sum.plan(ctx.producer, eqn.invars[0], tuple(int(a) for a in eqn.params["axes"]))
+        consts = {} if consts is None else consts
+        node = _sink_sum.plan(ctx.producer, eqn.invars[0], _jax.reduce_axes(eqn),
+                              lambda a: _sink_sum.constant_value(ctx.producer, a, consts))
         if node is not None:
+            out = _same_types(eqn, [_sink_sum.emit(ctx, node)])
             ctx.count("sum sunk past broadcast factors")
-            out = [_sink_sum.emit(ctx, node)]
     return out
 
 
@@ -147,12 +190,14 @@ def _hoist_reduction(ctx, eqn):
     out_shape = tuple(s[a] for a in out_axes)
     remaining_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
     prim, params = eqn.primitive, dict(eqn.params, axes=x_axes)
-    ctx.count(f"hoisted {prim.name}")
 
     def fn(x):
         return _broadcast(prim.bind(x, **params), out_shape, remaining_dims)
 
-    return ctx.emit(fn, [x], ("hoist-reduce", prim, tuple(sorted(params.items())), dims, s))
+    key = ("hoist-reduce", prim, tuple(sorted(params.items())), dims, s)
+    out = _same_types(eqn, ctx.emit(fn, [x], key))
+    ctx.count(f"hoisted {prim.name}")
+    return out
 
 
 def _compose_rule(ctx, eqn):
@@ -164,9 +209,10 @@ def _compose_rule(ctx, eqn):
     outer_dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
     dims = tuple(outer_dims[d] for d in inner.params["broadcast_dimensions"])
     shape = tuple(eqn.params["shape"])
+    out = _same_types(eqn, ctx.bind(lax.broadcast_in_dim_p, [inner.invars[0]], shape=shape,
+                                    broadcast_dimensions=dims, sharding=eqn.params.get("sharding")))
     ctx.count("broadcasts composed")
-    return ctx.bind(lax.broadcast_in_dim_p, [inner.invars[0]], shape=shape,
-                    broadcast_dimensions=dims, sharding=eqn.params.get("sharding"))
+    return out
 
 
 RULES = {**{p: _elementwise_rule for p in ELEMENTWISE},
@@ -176,7 +222,10 @@ RULES = {**{p: _elementwise_rule for p in ELEMENTWISE},
 
 def hoist_broadcast(closed):
     """Move elementwise work and reductions above broadcasts (module doc)."""
-    return _rewrite.rewrite(closed, RULES)
+    # Sum sinking may factor out values computed from the program's consts.
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+    reduction = functools.partial(_reduction_rule, consts=consts)
+    return _rewrite.rewrite(closed, {**RULES, **{p: reduction for p in REDUCTIONS}})
 
 
 def remaining(closed) -> int:

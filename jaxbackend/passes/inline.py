@@ -22,6 +22,19 @@ custom rule, so they are inlined only where differentiation is done.
 `inline_calls` is the same pass with einsums kept, for the start of the
 pipeline: later passes (fusion, sharding) want flat code that still has
 names.
+
+When it preserves `jax.jit`'s results: always, exactly.
+
+* einsum -> dot_general: `einsum_to_dot_general` is also the einsum
+  primitive's own impl and lowering, and it receives the equation's
+  `precision` and `preferred_element_type` unchanged, so the dot is the one
+  XLA would have run: same accumulation dtype (integer overflow included),
+  same algorithm class. Checked: a replacement whose shape, dtype or weak
+  type differs from the einsum's declared result is declined (the einsum
+  then stays and is lowered by its own rule; this never happens for the
+  einsums `named` builds, whose abstract eval is dot_general's).
+* call inlining: the body's equations run on the same operands; nothing
+  is recomputed, converted or reordered.
 """
 
 from __future__ import annotations
@@ -32,10 +45,13 @@ from jaxbackend.passes import _rewrite
 
 
 def _einsum_rule(ctx, eqn):
-    params = dict(eqn.params)
-    ctx.count("einsum->dot_general")
+    params = dict(eqn.params)  # precision and preferred_element_type included
     key = ("einsum_to_dot_general", tuple(sorted(params.items())))
-    return ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **params), eqn.invars, key)
+    out = ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **params), eqn.invars, key)
+    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, out)):
+        raise _rewrite.RewriteDeclined("einsum: dot_general result type differs")
+    ctx.count("einsum->dot_general")
+    return out
 
 
 def _call_rule(ctx, eqn):

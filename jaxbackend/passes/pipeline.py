@@ -27,6 +27,11 @@ ClosedJaxpr) and its name in `DEFAULT_PIPELINE`. A pass reports matches by
 `ctx.count` (rule-table passes) or `_rewrite.record_stats`; passes that
 report nothing still get equation counts and time.
 
+The driver checks every pass's result, built-in or the user's
+(`passes=[callable]`): a ClosedJaxpr whose inputs and outputs keep the
+shapes, dtypes and weak types of the pass's input program, or one error
+naming the pass (`checked`).
+
 `JAXBACKEND_DUMP=<dir>` writes `<dir>/<label>.<k>.<pass>.txt`, the jaxpr
 after each pass (k=0 is the input).
 """
@@ -35,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import numbers
 import os
 import pathlib
 import re
 import time
 from typing import Callable, Sequence
 
+from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.cse import cse
 from jaxbackend.passes.dce import dce
@@ -110,10 +117,11 @@ class Report:
 
 def configure(passes, *, reroll: bool | int = True):
     """`passes` with `reroll` dropped (False) or firing from `reroll` repeats
-    (an int >= 2); True leaves it as given."""
+    (an integer >= 2, Python's or numpy's); True leaves it as given."""
     if reroll is True:
         return passes
-    if reroll is not False and (not isinstance(reroll, int) or reroll < 2):
+    if reroll is not False and (isinstance(reroll, bool) or not isinstance(reroll, numbers.Integral)
+                                or reroll < 2):
         raise ValueError(f"reroll={reroll!r}: pass True, False, or a minimum number of "
                          f"repeated layers >= 2, e.g. reroll=8.")
     out = []
@@ -121,7 +129,7 @@ def configure(passes, *, reroll: bool | int = True):
         if name == "reroll":
             if reroll is False:
                 continue
-            fn = _with_min_repeats(reroll)
+            fn = _with_min_repeats(int(reroll))
         out.append(fn)
     return tuple(out)
 
@@ -176,7 +184,7 @@ def _run(closed, passes, jaxprs, stats, dump_dir, label):
     for k, (name, fn) in enumerate(resolve(passes), start=1):
         t0 = time.perf_counter()
         with _rewrite.collect_stats() as matches:
-            closed = fn(closed)
+            closed = checked(name, fn, closed)
         dt = time.perf_counter() - t0
         m = _rewrite.count_eqns(closed)
         stats.append(PassStat(name, n, m, dt, dict(matches)))
@@ -186,3 +194,28 @@ def _run(closed, passes, jaxprs, stats, dump_dir, label):
         if dump_dir is not None:
             (dump_dir / f"{label}.{k}.{name}.txt").write_text(str(closed))
     return closed
+
+
+def _type(aval) -> tuple:
+    return tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False)
+
+
+def checked(name: str, fn: Callable, closed):
+    """fn(closed), checked to be a ClosedJaxpr with closed's input and output
+    types (shape, dtype, weak type): a pass rewrites how a program computes,
+    never what it takes or returns, so jit can evaluate it on the same
+    arguments and unflatten its outputs into the same tree."""
+    out = fn(closed)
+    if not _jax.is_closed_jaxpr(out):
+        raise TypeError(f"pass {name!r} returned {type(out).__name__}, not a ClosedJaxpr; a pass "
+                        f"must return the rewritten ClosedJaxpr (is a `return` missing?).")
+    for side, before, after in (("input", closed.in_avals, out.in_avals),
+                                ("output", closed.out_avals, out.out_avals)):
+        if len(before) != len(after):
+            raise ValueError(f"pass {name!r} changed the number of {side}s from {len(before)} to "
+                             f"{len(after)}; a pass must keep the program's {side}s.")
+        for i, (a, b) in enumerate(zip(before, after)):
+            if _type(a) != _type(b):
+                raise ValueError(f"pass {name!r} changed {side} {i} from {a} to {b}; a pass must "
+                                 f"keep every {side}'s shape, dtype and weak type.")
+    return out

@@ -44,7 +44,9 @@ same kind left (running the pass twice equals running it once).
 Leaves alone: equations outside runs (kept unchanged, in order), blocks
 that differ in any parameter, shape, literal or data flow (e.g. a last layer
 of another width, a skip connection across two layers, a per-layer literal
-such as a dropout key folded with the layer index), effectful equations, a
+such as a dropout key folded with the layer index, a per-layer custom_vjp
+rule or callback: function-valued parameters are compared by identity, see
+`_reroll_find`), effectful equations (never merged, kept in place), a
 run inside an open sub-jaxpr (remat) whose rolled form would need an array
 constant, and a run that spans a sub-jaxpr boundary.
 When nothing is found the input object is returned unchanged.
@@ -118,6 +120,7 @@ class _Splicer:
 
     def __init__(self, min_repeats, stats):
         self.min_repeats, self.stats, self.memo = min_repeats, stats, {}
+        self.keys = _rewrite.StructuralKeys()   # one for every jaxpr: each keyed once
 
     def closed(self, closed):
         rw, outvars = self._walk(closed.jaxpr, closed=True)
@@ -141,11 +144,12 @@ class _Splicer:
     def _walk(self, jaxpr, closed):
         """(Rewriter holding the new equations, new outvars), or (None, None)
         when neither this jaxpr nor any sub-jaxpr changed."""
-        runs = find_runs(jaxpr, self.min_repeats)
+        runs = find_runs(jaxpr, self.min_repeats, self.keys)
         rw = _rewrite.Rewriter({}, closed=closed, shared={"memo": {}, "stats": None})
-        walk = _Walk(jaxpr, runs, rw, self.stats)
+        subs = lambda eqn: _rewrite.map_subjaxprs(eqn, self.memo, self._sub)  # noqa: E731
+        walk = _Walk(jaxpr, runs, rw, self.stats, subs)
         for eqn in walk.kept():
-            new = _rewrite.map_subjaxprs(eqn, self.memo, self._sub)
+            new = subs(eqn)
             rw.changed |= new is not eqn
             walk.keep(new)
         if not (runs or rw.changed):
@@ -156,8 +160,9 @@ class _Splicer:
 class _Walk:
     """One pass over one jaxpr's equations: runs replaced, the rest kept."""
 
-    def __init__(self, jaxpr, runs, rw, stats):
+    def __init__(self, jaxpr, runs, rw, stats, subs):
         self.jaxpr, self.rw, self.stats = jaxpr, rw, stats
+        self.subs = subs      # eqn -> eqn with its sub-jaxprs rolled
         self.run_at = {r.start: r for r in runs}
         self.max_repeats = max((r.repeats for r in runs), default=0)
         self.env = {}         # old var -> new atom, where they differ
@@ -202,7 +207,10 @@ class _Walk:
         offset (see `_opaque_indices`) and a reshape (a bitcast), so every
         read of one shape is the same XLA kernel."""
         arr = self.stacks[sid]
-        if self.indices is None:
+        if not arr.aval.size:   # nothing to read, nor to compile: a static slice
+            return self.rw.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
+                                key=("reroll.index", idx))[0]
+        if self.indices is None:   # from a non-empty stack: the trip count reads an element
             n = self.max_repeats
             self.indices = self.rw.emit(lambda like: _opaque_indices(n, like), [arr],
                                         key=("reroll.opaque", n))
@@ -276,7 +284,9 @@ class _Walk:
                     invars.append(xs[t[1]] if t[1] in xs else consts[t[1]])
             outvars = [new(v.aval) for v in eqn.outvars]
             local.update(((r, o), v) for o, v in enumerate(outvars))
-            eqns.append(eqn.replace(invars=invars, outvars=outvars))
+            # the body's own sub-jaxprs are rolled too (a layer that is one
+            # remat equation may hold a loop of sub-layers): one pass suffices
+            eqns.append(self.subs(eqn).replace(invars=invars, outvars=outvars))
         outvars = ([local[slot] for slot in run.carry_slots] + [local[slot] for slot in run.ys_slots]
                    + [carry[c] for c in run.carry_ys])
         invars = [consts[s] for s in const_slots] + carry + [xs[s] for s in xs_slots]
@@ -334,8 +344,11 @@ def _stack(xs):
 
 def _unstack_one(arr, i):
     """arr[i] for a runtime scalar i: one dynamic_slice and a reshape (which
-    XLA makes a bitcast; lax.dynamic_index_in_dim would add a nested jit)."""
-    row = lax.dynamic_slice(arr, (i,) + (0,) * (arr.ndim - 1), (1,) + arr.shape[1:],
+    XLA makes a bitcast; lax.dynamic_index_in_dim would add a nested jit).
+    The other offsets are zeros of i's own dtype: a Python 0 would be int64
+    under jax_enable_x64, and dynamic_slice wants one index dtype."""
+    zero = np.zeros((), i.dtype)
+    row = lax.dynamic_slice(arr, (i,) + (zero,) * (arr.ndim - 1), (1,) + arr.shape[1:],
                             allow_negative_indices=False)
     return row.reshape(arr.shape[1:])
 

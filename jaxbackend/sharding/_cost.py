@@ -176,7 +176,9 @@ class CostModel:
             m = masks[ikeys[i]] & ~used
             used = used | m
             imask[i] = m
-        zero = np.zeros(np.shape(masks[0]) if self.n_keys else ())
+        # A scalar: each term then spans only the keys this op touches (the
+        # search bounds partial plans by that).
+        zero = np.zeros(())
         comm = {k: zero for k in KINDS} if detail else None
         nbytes = {k: zero for k in KINDS} if detail else None
         t = t_in = zero
@@ -299,40 +301,67 @@ class CostModel:
         """Per distinct op, per operand: the mesh axes it is gathered over."""
         return [self.op_cost(sig, masks)[2] for sig, _ in self.sigs]
 
-    def gathered_memory(self, masks, extras):
-        """Gathered copies: weights' stay live from forward to backward (one
-        gather serves both), other gathers are short-lived (the largest)."""
-        weights, other = 0.0, 0.0
+    def memory_terms(self, masks, extras):
+        """`memory` in parts, each over the few keys it depends on: (fixed:
+        per argument/result, weights: per gathered input group, live: per
+        temporary group, transient: per other gather group), where memory =
+        sum(fixed) + sum(weights) + max over rows p of `mem_points[p] @ live`
+        + max(transient, 0)."""
+        fixed = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.fixed_groups]
+        weights, transient = [], []
         for ((keys, nb, uses, is_input), _), count in zip(self.gather_groups, self.gather_counts):
             gm = 0
             for i, j in uses:
                 gm = gm | extras[i][j]
-            if not np.any(gm):
-                continue
-            _, full = self.gather_cost(keys, nb, gm, masks)
-            if is_input:
-                weights = weights + count * full
-            else:
-                other = np.maximum(other, full)
-        return weights + other
+            if np.any(gm):
+                full = self.gather_cost(keys, nb, gm, masks)[1]
+                # gathered weights stay live from forward to backward (one
+                # gather serves both); other gathers are short-lived
+                (weights.append(count * full) if is_input else transient.append(full))
+        live = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.mem_groups]
+        return fixed, weights, live, transient
 
     def memory(self, masks, extras=None):
-        """Bytes per device under each plan: (args+results, peak temporaries)."""
+        """Bytes per device under each plan: (args+results, peak temporaries
+        + gathered copies)."""
         if extras is None:
             extras = self.extras(masks)
-        gathered = self.gathered_memory(masks, extras)
-        fixed = 0.0
-        for keys, nb in self.fixed_groups:
-            fixed = fixed + nb / self._shard(self._layout(keys, masks))
-        per = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.mem_groups]
-        if not per:
+        fixed_t, weights, live, transient = self.memory_terms(masks, extras)
+        fixed, gathered, other = 0.0, 0.0, 0.0
+        for x in fixed_t:
+            fixed = fixed + x
+        for x in weights:
+            gathered = gathered + x
+        for x in transient:
+            other = np.maximum(other, x)
+        gathered = gathered + other
+        if not live:
             return fixed, gathered + fixed * 0.0
-        shape = np.broadcast(*[np.asarray(x) for x in per]).shape
-        mat = np.stack([np.broadcast_to(x, shape) for x in per])       # groups x N
-        temp = (self.mem_points @ mat.reshape(len(per), -1)).max(axis=0).reshape(shape)
+        shape = np.broadcast(*[np.asarray(x) for x in live]).shape
+        mat = np.stack([np.broadcast_to(x, shape) for x in live])       # groups x N
+        temp = (self.mem_points @ mat.reshape(len(live), -1)).max(axis=0).reshape(shape)
         return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
+    def time_terms(self, masks):
+        """`step_time` as a list of terms (per distinct op, times its
+        multiplicity; then per operand all-gather group), and the extras.
+        Under masks broadcast over a grid (one axis per searched key) a term
+        spans only the axes of the keys it depends on: what lets the search
+        bound partial plans."""
+        terms, extras = [], []
+        for sig, mult in self.sigs:
+            t, _, ex = self.op_cost(sig, masks)
+            extras.append(ex)
+            terms.append(mult * t)
+        for (keys, nb, uses, _), mult in self.gather_groups:
+            gm = 0
+            for i, j in uses:
+                gm = gm | extras[i][j]
+            if np.any(gm):
+                terms.append(mult * self.gather_cost(keys, nb, gm, masks)[0])
+        return terms, extras
+
     def step_time(self, masks):
         """Modelled step time only (fast path; same model as `evaluate`)."""
         total, extras = 0.0, []

@@ -215,6 +215,10 @@ class Graph:
                 self.key_names[i] = f"dim{size}" + (f"_{j}" if j else "")
         for c in composite:
             self.class_key[c] = self.class_key[self.major[c]]
+        # A named merged dim (`head`, split by name into (kv_head, group)) has
+        # no key of its own; its name is an alias of its major factor's key,
+        # so rules may name either (`head -> model` shards kv_head in blocks).
+        self.key_alias = {names[c]: self.class_key[c] for c in sorted(composite) if c in names}
         self.key_size = [0] * len(self.key_names)
         for c in range(self.n_classes):
             if c in composite:

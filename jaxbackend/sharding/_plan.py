@@ -60,6 +60,9 @@ class Plan:
         held = {k for v in g.invars for k in cm.var_keys[v]}
         self.rules = {g.key_names[k]: mesh.axes(self.masks[k]) for k in range(cm.n_keys)
                       if k in held and g.key_size[k] > 1}
+        # a merged dim is laid out as its major factor: say so under its own name
+        self.rules.update({a: self.rules[g.key_names[k]] for a, k in g.key_alias.items()
+                           if g.key_names[k] in self.rules})
         self.cost = cm.evaluate(self.masks)
         self.exceptions = []
         for i, v in enumerate(g.invars):
@@ -122,6 +125,8 @@ class Plan:
     def jit(self):
         """`jax.jit` of the traced function with this plan: call with the
         same argument structure; returns the same output structure."""
+        if self.mesh.mesh is not None:
+            check_auto_axes(self.mesh.mesh)
         ins = tuple(self._sharding(s) for s in self.in_specs())
         outs = tuple(self._sharding(s) for s in self.out_specs())
         compiled = jax.jit(self.constrained_fun(), in_shardings=ins, out_shardings=outs)
@@ -148,6 +153,8 @@ class Plan:
             lines.append(f"| {k} | {c[k]['time'] * 1e3:.4g} | {c[k]['bytes']:.4g} | {c[k]['count']:g} |")
         lines += [f"| step (modelled) | {c['time'] * 1e3:.4g} | | |",
                   f"| memory/device | | {c['memory']:.4g} | |"]
+        if (self.stats or {}).get("optimal") is False:
+            lines.append(f"search: {self.stats['method']}, NOT proven optimal ({self.stats['why']})")
         for where, dim, axes in self.exceptions:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
         return "\n".join(lines)
@@ -158,10 +165,21 @@ class Plan:
 
 def _rules_to_masks(cm, mesh, rules):
     g = cm.g
-    unknown = sorted(set(rules) - set(g.key_names))
+    unknown = sorted(set(rules) - set(g.key_names) - set(g.key_alias))
     if unknown:
         raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
-                         f"{sorted(set(g.key_names))}; fix the spelling or drop those rules.")
+                         f"{sorted(set(g.key_names) | set(g.key_alias))}; fix the spelling or drop "
+                         f"those rules.")
+    rules = dict(rules)
+    for alias, k in g.key_alias.items():   # a merged dim is sharded as its major factor
+        if alias in rules:
+            major = g.key_names[k]
+            if major in rules and rules[major] != rules[alias]:
+                raise ValueError(f"rules: dim {alias!r} is a reshape of dims whose major factor is "
+                                 f"{major!r}, so it is sharded as {major!r}, but the rules give "
+                                 f"{alias!r} -> {rules[alias]!r} and {major!r} -> {rules[major]!r}; "
+                                 f"give one of them, or both the same axes.")
+            rules[major] = rules.pop(alias)
     masks = [0] * cm.n_keys
     for k, name in enumerate(g.key_names):
         if name in rules:
@@ -192,9 +210,26 @@ def search(fn, *args, mesh, memory_budget=None, profile=None, transform=None) ->
                     transform=transform)
 
 
+def check_auto_axes(mesh) -> None:
+    """A plan compiles with sharding constraints on its contractions, which
+    JAX takes only on Auto mesh axes; `jax.make_mesh` makes Explicit ones by
+    default (JAX 0.10), which fail deep inside JAX, so say so up front."""
+    types = tuple(getattr(mesh, "axis_types", ()))
+    bad = [n for n, t in zip(mesh.axis_names, types) if t != jax.sharding.AxisType.Auto]
+    if bad:
+        n = len(mesh.axis_names)
+        raise ValueError(
+            f"mesh axes ({', '.join(map(repr, bad))}) are not Auto (axis types "
+            f"{tuple(t.name for t in types)}), and a sharding plan needs Auto axes to constrain "
+            f"contractions; build it with jax.make_mesh(shape, names, "
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}) or jaxbackend.sharding.auto_mesh("
+            f"shape, names).")
+
+
 def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None, transform=None):
-    """Like `jax.jit(fn)`, sharded over `mesh` with searched (or given) rules.
-    The plan of the latest call is at `.plan`."""
+    """Like `jax.jit(fn)`, sharded over `mesh` (Auto axes) with searched (or
+    given) rules. The plan of the latest call is at `.plan`."""
+    check_auto_axes(mesh)
     cache = {}
 
     def planned(args):

@@ -1,16 +1,24 @@
-"""Exact search over plans: one mesh-axis group per key, least modelled step
-time, within a memory budget.
+"""Search over plans: one mesh-axis group per key, least modelled step time
+within a memory budget; exact (proven optimal) unless its stats say not.
 
 Precondition: a `CostModel`. The space: each key that some input argument
 holds (a dim name, or a tied group of unnamed dims) of size > 1 may take any
 group of mesh axes (a subset, in mesh order) whose size divides it; other
-keys stay unsharded. Exactness without enumerating plans one by one: the
-modelled time is a sum over distinct ops, each depending on the few keys it
-touches, so each op is evaluated once, vectorised over a grid of its keys'
-options, and broadcast-added into the grid of all plans (numpy does the
-product). Memory is not a sum (it is a peak), so candidates are checked in
-order of time, a batch at a time, and the first that fits wins. Ties break
-by grid order (fewer and earlier mesh axes first): deterministic.
+keys stay unsharded. A plan is a point of the grid of all keys' options;
+time and memory of plans are lookups in the cost model's terms tabulated
+over the grid (`_tables`).
+
+Methods, by size:
+* exhaustive (grids up to `EXHAUSTIVE_LIMIT` plans): the tables are
+  broadcast-added into the grid of all plans (numpy does the product), and
+  candidates are checked for memory in order of time, a batch at a time; the
+  first that fits wins. Ties break by grid order: deterministic.
+* branch and bound (`_bound`, larger grids): returns the exhaustive
+  search's plan, proven, without enumerating the grid.
+* heuristics (`stats["optimal"] = False`, `stats["why"]`): the branch and
+  bound's incumbent when it would hold more than `_bound.FRONTIER_LIMIT`
+  partial plans or runs past `time_limit`; block coordinate descent over
+  sub-grids when the tables would exceed `TABLE_LIMIT` entries.
 
 It leaves the graph and the model alone; `Plan` (plan.py) turns the chosen
 masks into rules, shardings and a compiled function.
@@ -19,15 +27,18 @@ masks into rules, shardings and a compiled function.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
-GRID_LIMIT = 1 << 24
-GiB = 1024 ** 3
+from jaxbackend.sharding._bound import BranchAndBound, subgrid_descent
+from jaxbackend.sharding._tables import NoPlanFits as NoPlanFits
+from jaxbackend.sharding._tables import Tables, first_fit, no_plan_fits, table_entries
 
-
-class NoPlanFits(ValueError):
-    """No plan fits the memory budget."""
+EXHAUSTIVE_LIMIT = 1 << 18   # larger grids: branch and bound (faster there, the same plan)
+GRID_LIMIT = 1 << 24         # the largest grid the exhaustive search builds
+TABLE_LIMIT = 1 << 26        # table entries, all terms together, the bound search may build
+TIME_LIMIT = 10.0            # seconds before the branch and bound gives way to the heuristic
 
 
 def search_space(cm):
@@ -46,67 +57,61 @@ def search_space(cm):
     return keys, options
 
 
-def _grid_masks(cm, keys, options):
-    masks = [np.zeros((1,) * len(keys), np.int64) for _ in range(cm.n_keys)]
-    for j, (k, opts) in enumerate(zip(keys, options)):
-        shape = [1] * len(keys)
-        shape[j] = len(opts)
-        masks[k] = opts.reshape(shape)
-    return masks
-
-
 def time_grid(cm, keys, options):
     """Modelled step time of every plan in the grid (one axis per key)."""
-    shape = tuple(len(o) for o in options)
-    size = math.prod(shape)
+    size = math.prod(len(o) for o in options)
     if size > GRID_LIMIT:
-        raise ValueError(f"search: {size} candidate plans ({len(keys)} dims x options {shape}) exceed "
-                         f"the exhaustive limit {GRID_LIMIT}; fix some dims with rules=... or use a mesh "
-                         f"with fewer axes.")
-    masks = _grid_masks(cm, keys, options)
-    total = np.zeros(shape)
-    extras = []
-    for sig, mult in cm.sigs:
-        t, _, ex = cm.op_cost(sig, masks)
-        extras.append(ex)
-        total += mult * t
-    total += cm._gathers(extras, masks, False)[0]
-    return total
+        raise ValueError(f"time_grid: {size} candidate plans ({len(keys)} dims) exceed the grid "
+                         f"limit {GRID_LIMIT}; search() bounds such grids instead of enumerating them.")
+    return Tables(cm, keys, options).grid()
 
 
-def _masks_at(cm, keys, options, flat_idx):
-    idx = np.unravel_index(flat_idx, tuple(len(o) for o in options))
-    masks = [np.zeros(len(flat_idx), np.int64) for _ in range(cm.n_keys)]
-    for j, k in enumerate(keys):
-        masks[k] = options[j][idx[j]]
-    return masks
-
-
-def search(cm, memory_budget=None, batch=4096):
+def search(cm, memory_budget=None, *, method="auto", time_limit=TIME_LIMIT):
     """Least-time plan under `memory_budget` (bytes per device; default: the
-    profile's device memory). Returns (masks per key, stats)."""
+    profile's device memory). `method`: "auto" (exhaustive up to
+    `EXHAUSTIVE_LIMIT` plans, else branch and bound, or the sub-grid descent
+    where the tables would exceed `TABLE_LIMIT`), "exhaustive",
+    "branch_and_bound", "heuristic" (the branch and bound's incumbent) or
+    "descent" (the sub-grid heuristic); the last two are for testing.
+    Returns (masks per key, stats): stats["optimal"] says whether the plan
+    is proven optimal under the model, stats["method"] how it was found,
+    stats["why"] why not proven."""
+    methods = ("auto", "exhaustive", "branch_and_bound", "heuristic", "descent")
+    if method not in methods:
+        raise ValueError(f"search: method {method!r} is not one of {', '.join(map(repr, methods))}.")
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
     budget = cm.mesh.profile.memory if memory_budget is None else float(memory_budget)
     keys, options = search_space(cm)
-    total = time_grid(cm, keys, options)
-    flat = total.ravel()
+    size = math.prod(len(o) for o in options)
+    why = None
+    if method == "auto":
+        method = "exhaustive" if size <= EXHAUSTIVE_LIMIT else "branch_and_bound"
+        if method == "branch_and_bound" and table_entries(cm, keys, options) > TABLE_LIMIT:
+            method, why = "descent", f"cost tables over {TABLE_LIMIT} entries"
+    if method == "descent":
+        masks, stats = subgrid_descent(cm, keys, options, budget, deadline, why or "forced")
+    else:
+        tab = Tables(cm, keys, options)
+        if method == "exhaustive":
+            idx, stats = _exhaustive(tab, budget)
+        else:
+            idx, stats = BranchAndBound(tab, budget, deadline).run(method == "heuristic")
+        masks = tab.masks(idx)
+    stats = dict(candidates=size, searched_keys=[cm.g.key_names[k] for k in keys], **stats,
+                 seconds=time.perf_counter() - t0)
+    return masks, stats
+
+
+def _exhaustive(tab, budget):
+    if math.prod(tab.shape) > GRID_LIMIT:
+        raise ValueError(f"search: {math.prod(tab.shape)} candidate plans exceed the exhaustive "
+                         f"limit {GRID_LIMIT}; use method='auto' (branch and bound).")
+    flat = tab.grid().ravel()
     order = np.argsort(flat, kind="stable")
-    best_mem = np.inf
-    s, size = 0, 64   # the cheapest plans usually fit: check few first, then more
-    while s < len(order):
-        idx = order[s:s + size]
-        masks = _masks_at(cm, keys, options, idx)
-        fixed, temp = cm.memory(masks)
-        mem = np.broadcast_to(fixed + temp, idx.shape)
-        fits = np.nonzero(mem <= budget)[0]
-        best_mem = min(best_mem, float(mem.min()))
-        if len(fits):
-            i = idx[fits[0]]
-            chosen = [int(m[fits[0]]) for m in masks]
-            return chosen, dict(candidates=int(flat.size), searched_keys=[cm.g.key_names[k] for k in keys],
-                                rank=int(s + fits[0]), time=float(flat[i]), memory=float(mem[fits[0]]))
-        s, size = s + size, min(size * 8, batch)
-    raise NoPlanFits(
-        f"sharding.search: no plan fits the memory budget: the smallest plan needs "
-        f"{best_mem / GiB:.3f} GiB per device, budget {budget / GiB:.3f} GiB, short by "
-        f"{(best_mem - budget) / GiB:.3f} GiB; raise memory_budget, use more devices, or shrink "
-        f"the batch.")
+    pos, mem, least = first_fit(tab, lambda a, b: np.array(np.unravel_index(order[a:b], tab.shape)),
+                                len(order), budget)
+    if pos is None:
+        no_plan_fits(least, budget)
+    idx = np.unravel_index(order[pos], tab.shape)
+    return idx, dict(method="exhaustive", optimal=True, rank=pos, time=float(flat[order[pos]]), memory=mem)

@@ -1,10 +1,19 @@
 """`python -m jaxbackend train`: train a char-level GPT on the stdlib source.
 
-Flags map one-to-one onto `TrainConfig`; `--tiny` picks small defaults for
-tests (any flag given explicitly still wins). `--devices N` (N > 1) must act
-before JAX creates its CPU client, so `main` sets
+Flags map one-to-one onto `TrainConfig`. Where a setting comes from, first
+match wins: a flag given on the command line; with `--resume`, the value the
+checkpoint recorded (so `--resume` alone continues the run as it was; of the
+given flags, those that decide the numbers must agree with the checkpoint,
+and `--steps` may grow to extend the run); `--tiny`'s small defaults (for
+tests); the defaults `--help` shows. `--devices N` (N > 1) must act before
+JAX creates its CPU client, so `main` sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before anything asks
-JAX for devices (importing jax is fine; the client is created lazily).
+JAX for devices (importing jax is fine; the client is created lazily; reading
+a checkpoint's metadata creates none).
+
+A fresh run refuses a `--out` that already holds a run (a checkpoint or a
+loss plot) unless `--overwrite`. SIGTERM ends the run after the current step
+with a checkpoint, one line on stderr and status 143 (128 + SIGTERM).
 
 Every expected failure (bad flag, missing or corrupt checkpoint, dims that
 do not divide the mesh, loss blow-up) prints ONE line `error: ...` to stderr
@@ -14,7 +23,10 @@ and exits with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import pathlib
+import signal
 import sys
 
 DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-3,
@@ -22,6 +34,11 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
                 sample_chars=300, warmup=30)
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
+OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1)
+CKPT_NAME = "checkpoint.ckpt"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
+# Settings a resume must keep: they decide the numbers (see `TrainConfig.model_key`).
+FIXED_ON_RESUME = ("batch", "seq", "layers", "embd", "heads", "lr", "seed", "max_chars",
+                   "warmup", "weight_decay")
 
 
 class _UsageError(Exception):
@@ -39,6 +56,8 @@ def _positive(kind):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
+        if not math.isfinite(v):  # nan would pass `v <= 0` and surface as a nan loss
+            raise argparse.ArgumentTypeError(f"{s!r} is not finite; give a number > 0")
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{s!r} must be > 0")
         return v
@@ -55,45 +74,91 @@ def _nonneg_int(s):
     return v
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
+    """The train command's parser. `given_only=True`: no defaults at all, so
+    the parsed namespace holds exactly the flags on the command line."""
+    tiny = ", ".join(f"{k} {v}" for k, v in TINY.items())
     p = _Parser(prog="python -m jaxbackend train",
                 description="Train a char-level GPT on the Python standard library's source "
-                            "(no download), with checkpoints, a loss curve and a sample.")
+                            "(no download), with checkpoints, a loss curve and a sample.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                argument_default=argparse.SUPPRESS if given_only else None)
     pi, pf = _positive(int), _positive(float)
-    p.add_argument("--steps", type=pi, help=f"training steps (default {DEFAULTS['steps']})")
-    p.add_argument("--batch", type=pi, help=f"sequences per step (default {DEFAULTS['batch']})")
-    p.add_argument("--seq", type=pi, help=f"context length in chars (default {DEFAULTS['seq']})")
-    p.add_argument("--layers", type=pi, help=f"transformer blocks (default {DEFAULTS['layers']})")
-    p.add_argument("--embd", type=pi, help=f"model width (default {DEFAULTS['embd']})")
-    p.add_argument("--heads", type=pi, help=f"attention heads (default {DEFAULTS['heads']})")
-    p.add_argument("--lr", type=pf, help=f"peak AdamW learning rate (default {DEFAULTS['lr']})")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="init and data-order seed")
-    p.add_argument("--out", default="runs/train", help="folder for checkpoint and loss.png")
+    p.add_argument("--steps", type=pi, help="training steps (with --resume: the new total)")
+    p.add_argument("--batch", type=pi, help="sequences per step")
+    p.add_argument("--seq", type=pi, help="context length in chars")
+    p.add_argument("--layers", type=pi, help="transformer blocks")
+    p.add_argument("--embd", type=pi, help="model width")
+    p.add_argument("--heads", type=pi, help="attention heads")
+    p.add_argument("--lr", type=pf, help="peak AdamW learning rate")
+    p.add_argument("--seed", type=_nonneg_int, help="init and data-order seed")
+    p.add_argument("--out", help="folder for checkpoint and loss.png")
     p.add_argument("--ckpt-every", type=_nonneg_int,
-                   help=f"checkpoint every N steps, 0 = only at the end (default {DEFAULTS['ckpt_every']})")
-    p.add_argument("--eval-every", type=_nonneg_int, help="validation every N steps")
+                   help="checkpoint every N steps, 0 = only at the end")
+    p.add_argument("--eval-every", type=_nonneg_int,
+                   help="validation every N steps, 0 = at the end")
     p.add_argument("--sample-chars", type=_nonneg_int,
-                   help=f"chars to generate at the end, 0 = none (default {DEFAULTS['sample_chars']})")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.ckpt")
-    p.add_argument("--devices", type=pi, default=1,
+                   help="chars to generate at the end, 0 = none")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.ckpt with the flags it was written with")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run even if OUT already holds one (deletes it)")
+    p.add_argument("--devices", type=pi,
                    help="simulated CPU devices (N > 1: data mesh + sharding plan)")
-    p.add_argument("--tiny", action="store_true", help="tiny model and run (for tests)")
+    p.add_argument("--tiny", action="store_true", help=f"small defaults for tests: {tiny}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    if not given_only:
+        p.set_defaults(**DEFAULTS, **OTHER_DEFAULTS)
     return p
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def parse(argv):
     args = parser().parse_args(argv)
-    base = TINY if args.tiny else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    given = set(vars(parser(given_only=True).parse_args(argv)))
+    if args.tiny:
+        for k, v in TINY.items():
+            if k not in given:
+                setattr(args, k, v)
+    run = pathlib.Path(args.out)
+    if args.resume:
+        if args.overwrite:
+            raise _UsageError("--overwrite starts a new run and --resume continues one; "
+                              "give only one of them")
+        _take_checkpoint_settings(args, given, run / CKPT_NAME)
+    else:
+        held = [n for n in (CKPT_NAME, "loss.png") if (run / n).exists()]
+        if held and not args.overwrite:
+            raise _UsageError(f"--out {run} already holds a run ({', '.join(held)}); pass --resume "
+                              f"to continue it, --overwrite to replace it, or another --out")
     if args.embd % args.heads:
         raise _UsageError(f"--embd {args.embd} does not divide by --heads {args.heads}; "
                           f"pick --embd a multiple of --heads")
     if args.seq < 2:
         raise _UsageError(f"--seq {args.seq} must be at least 2")
     return args
+
+
+def _take_checkpoint_settings(args, given: set, ckpt: pathlib.Path) -> None:
+    """Fill every setting not given on the command line from the checkpoint;
+    a given flag that decides the numbers must equal the recorded value."""
+    from jaxbackend.train import _checkpoint  # numpy + jax import only; no JAX client
+
+    meta = _checkpoint.read_meta(ckpt)
+    saved = {**meta.get("config", {}), **meta.get("settings", {})}
+    for k, v in saved.items():
+        if k not in given:
+            setattr(args, k, v)
+        elif k in FIXED_ON_RESUME and getattr(args, k) != v:
+            raise _UsageError(f"{_flag(k)} {getattr(args, k)} differs from the checkpoint's {v}, "
+                              f"and a resumed run keeps it; drop {_flag(k)} or start a new run "
+                              f"in another --out")
+    if args.steps < meta["step"]:
+        raise _UsageError(f"--steps {args.steps} is below the checkpoint's step {meta['step']}; "
+                          f"pass --steps {meta['step']} or more (more extends the run)")
 
 
 def _set_devices(n: int) -> None:
@@ -111,14 +176,29 @@ def main(argv=None) -> int:
     except _UsageError as e:
         print(f"error: {e} (see python -m jaxbackend train --help)", file=sys.stderr)
         return 2
+    except ValueError as e:  # CheckpointError: --resume found no readable checkpoint
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     _set_devices(args.devices)
-    from jaxbackend.train import _checkpoint, _loop
+    from jaxbackend.train import _loop
+    from jaxbackend.train._checkpoint import CheckpointError
 
+    if args.overwrite:
+        for name in (CKPT_NAME, "loss.png"):
+            (pathlib.Path(args.out) / name).unlink(missing_ok=True)
     cfg = _loop.TrainConfig(**{f: getattr(args, f) for f in _loop.TrainConfig.__dataclass_fields__
                                if hasattr(args, f)})
+    # SIGTERM (kill, a scheduler's preemption) only raises a flag: the loop
+    # saves after the step in flight and raises `Stopped`.
+    terms = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
     try:
-        _loop.train(cfg, log=lambda s: print(s, flush=True))
-    except (_checkpoint.CheckpointError, ValueError, FloatingPointError, OSError) as e:
+        _loop.train(cfg, log=lambda s: print(s, flush=True), stop=lambda: bool(terms))
+    except _loop.Stopped as e:
+        print(f"stopped by SIGTERM after step {e.step}; checkpoint saved to {e.ckpt}; rerun with "
+              f"--resume to continue", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (CheckpointError, ValueError, FloatingPointError, OSError) as e:
         msg = " ".join(str(e).split())
         print(f"error: {msg}", file=sys.stderr)
         return 2
@@ -126,4 +206,6 @@ def main(argv=None) -> int:
         print("error: interrupted; rerun with --resume to continue from the last checkpoint",
               file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

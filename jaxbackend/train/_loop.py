@@ -6,7 +6,17 @@ pure function `(params, opt_state, data, step) -> (params, opt_state,
 loss)` that any jit takes (`jaxbackend.jit` when present, else `jax.jit`),
 and a checkpoint is just `{"params", "opt_state"}` plus JSON metadata.
 Batches are drawn inside the step from `(seed, step)` (see `_data`), so
-`--resume` replays the exact data order.
+`--resume` replays the exact data order. A checkpoint records every setting
+(`settings`) so a resume can reuse them; the ones that decide the numbers
+(`model_key`, less `steps`) must agree, and `steps` may grow: the learning
+rate schedule is then stretched over the new total (so an extended run is
+not bitwise the run that had the larger `steps` from the start).
+
+Stopping: `train(..., stop=fn)` calls `fn()` after every step; when it
+returns True the loop saves a checkpoint and raises `Stopped` (the CLI sets
+it from SIGTERM). A flag polled between steps, not an exception raised from
+the signal handler: an exception could land between a donating step call
+and the assignment of its results, leaving nothing valid to save.
 
 Multi-device (`devices > 1`): a 1-d mesh `data`; rules dim -> mesh axis
 come from `jaxbackend.sharding.search` when it exists (its plan table is
@@ -36,6 +46,14 @@ from jaxbackend.train import _checkpoint, _data
 CKPT_NAME = "checkpoint.ckpt"
 
 
+class Stopped(Exception):
+    """`train(stop=...)` asked the run to end; the checkpoint is saved."""
+
+    def __init__(self, step: int, ckpt: pathlib.Path):
+        super().__init__(f"stopped at step {step}; checkpoint -> {ckpt}")
+        self.step, self.ckpt = step, ckpt
+
+
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 250
@@ -63,10 +81,15 @@ class TrainConfig:
                          embd=self.embd, heads=self.heads)
 
     def model_key(self) -> dict:
-        """What a checkpoint must agree on to be resumed."""
+        """What a checkpoint must agree on to be resumed (`steps` may grow)."""
         return dict(batch=self.batch, seq=self.seq, layers=self.layers, embd=self.embd,
                     heads=self.heads, lr=self.lr, seed=self.seed, steps=self.steps,
-                    max_chars=self.max_chars)
+                    max_chars=self.max_chars, warmup=self.warmup, weight_decay=self.weight_decay)
+
+    def settings(self) -> dict:
+        """Every field a resume may reuse (not where the run lives or how it prints)."""
+        skip = ("out", "resume", "quiet")
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
 def compiler():
@@ -89,6 +112,20 @@ class Progress:
         self.total, self.quiet, self.stream = total, quiet, stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.every = max(1, total // 20)
+        self.open = False   # a tty bar is on screen without its newline
+
+    def end_line(self) -> None:
+        """End the bar's line, so a message printed next starts a line of its own."""
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.end_line()
 
     def update(self, step: int, loss: float, tok_s: float) -> None:
         if self.quiet:
@@ -99,6 +136,7 @@ class Progress:
         if self.tty:
             self.stream.write("\r" + line + ("\n" if step == self.total else ""))
             self.stream.flush()
+            self.open = step != self.total
         elif step % self.every == 0 or step == self.total:
             print(line, file=self.stream, flush=True)
 
@@ -129,13 +167,22 @@ def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
     return mesh, rules
 
 
-def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
+def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
     """Run (or resume) training; returns losses, timings and paths.
 
     `on_step(step, history, val_history)` is called after every step (a
-    notebook redraws its live loss plot from it)."""
+    notebook redraws its live loss plot from it). `stop()`, polled after
+    every step, True: save a checkpoint and raise `Stopped`."""
     out = pathlib.Path(cfg.out)
     ckpt = out / CKPT_NAME
+    bar = Progress(cfg.steps, cfg.quiet)
+
+    def say(msg):  # on a terminal the bar shares the screen: end its line first
+        bar.end_line()
+        log(msg)
+
+    for tmp in _checkpoint.remove_stale_tmp(ckpt):
+        say(f"removed {tmp} (left by a run killed while saving)")
     if cfg.resume:  # fail fast (before data and compile) on a missing or bad checkpoint
         _check_resumable(ckpt, cfg)
     ids = _data.load_corpus(cfg.max_chars)
@@ -154,7 +201,7 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
     constrain = lambda a: a  # noqa: E731
     if cfg.devices > 1:
         x0, y0 = _data.get_batch(data, cfg.seed, 0, cfg.batch, cfg.seq)
-        mesh, rules = _mesh_and_rules(cfg, loss_fn, params, x0, y0, log)
+        mesh, rules = _mesh_and_rules(cfg, loss_fn, params, x0, y0, say)
         nn.check_divisible(pstate, rules, mesh)
         specs = nn.partition_specs(pstate, rules)
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
@@ -184,43 +231,47 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
     if cfg.resume:
         (params, opt_state), meta = _load(ckpt, params, opt_state, cfg)
         start, history, val_history = meta["step"], meta["history"], meta["val_history"]
-        log(f"resumed from {ckpt} at step {start}")
-    log(f"corpus: {len(ids):,} chars of stdlib source ({len(train_ids):,} train / "
+        say(f"resumed from {ckpt} at step {start}")
+    say(f"corpus: {len(ids):,} chars of stdlib source ({len(train_ids):,} train / "
         f"{len(val_ids):,} val); model: {cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads, "
         f"{sum(np.size(p) for p in jax.tree.leaves(params)):,} params; compiled with {jit_name}")
-    log(f"unigram baseline (val cross entropy of char frequencies): {baseline:.4f} nats/char")
-    bar = Progress(cfg.steps, cfg.quiet)
+    say(f"unigram baseline (val cross entropy of char frequencies): {baseline:.4f} nats/char")
     tokens = cfg.batch * cfg.seq
     t_start, t_last, t_compile = time.perf_counter(), time.perf_counter(), None
-    for step in range(start, cfg.steps):
-        params, opt_state, loss = step_fn(params, opt_state, data, jnp.int32(step))
-        loss = float(loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
-        now = time.perf_counter()
-        if t_compile is None:
-            t_compile = now - t_last
-        tok_s = tokens / max(now - t_last, 1e-9)
-        t_last = now
-        history.append(loss)
-        bar.update(step + 1, loss, tok_s)
-        done = step + 1
-        if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
-            val_history.append((done, evaluate(params)))
-        if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            if done == cfg.steps:
+    with bar:  # an error or Ctrl-C mid-bar still ends its line
+        for step in range(start, cfg.steps):
+            params, opt_state, loss = step_fn(params, opt_state, data, jnp.int32(step))
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
+            now = time.perf_counter()
+            if t_compile is None:
+                t_compile = now - t_last
+            tok_s = tokens / max(now - t_last, 1e-9)
+            t_last = now
+            history.append(loss)
+            bar.update(step + 1, loss, tok_s)
+            done = step + 1
+            if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
                 val_history.append((done, evaluate(params)))
-            meta = dict(step=done, config=cfg.model_key(), history=history, val_history=val_history)
-            _checkpoint.save(ckpt, {"params": params, "opt_state": opt_state}, meta)
-            log(f"checkpoint step {done} -> {ckpt}")
-        if on_step is not None:
-            on_step(done, history, val_history)
+            stopping = stop is not None and stop()
+            if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) or stopping:
+                if done == cfg.steps:
+                    val_history.append((done, evaluate(params)))
+                meta = dict(step=done, config=cfg.model_key(), settings=cfg.settings(),
+                            history=history, val_history=val_history)
+                _checkpoint.save(ckpt, {"params": params, "opt_state": opt_state}, meta)
+                say(f"checkpoint step {done} -> {ckpt}")
+            if on_step is not None:
+                on_step(done, history, val_history)
+            if stopping:
+                raise Stopped(done, ckpt)
     elapsed = time.perf_counter() - t_start
     run_steps = cfg.steps - start
     if not val_history:
         val_history.append((cfg.steps, evaluate(params)))
     val = val_history[-1][1]
-    log(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
+    say(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
         f"({'below' if val < baseline else 'NOT below'} by {baseline - val:.3f})")
     nnx.replace_by_pure_dict(pstate, jax.device_get(params))
     nnx.update(model, pstate)
@@ -229,11 +280,11 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
         prompt = val_ids[: cfg.seq // 2].tolist()
         sample = _data.decode(generate(model, prompt, cfg.sample_chars,
                                        key=jax.random.key(cfg.seed)))
-        log("sample (prompt from the validation text, then generated):\n" +
+        say("sample (prompt from the validation text, then generated):\n" +
             _data.decode(prompt) + sample)
     from jaxbackend.train import _plots
     png = _plots.loss_curve(out / "loss.png", history, val_history, baseline)
-    log(f"loss curve -> {png}")
+    say(f"loss curve -> {png}")
     return dict(history=history, val_history=val_history, val=val, baseline=baseline,
                 elapsed=elapsed, steps_run=run_steps, compile_s=t_compile,
                 tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),
@@ -243,12 +294,17 @@ def train(cfg: TrainConfig, log=print, on_step=None) -> dict:
 def _check_resumable(ckpt, cfg):
     meta = _checkpoint.read_meta(ckpt)
     saved = meta.get("config", {})
-    diff = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {v} (now)"
-            for k, v in cfg.model_key().items() if saved.get(k) != v]
+    # Older checkpoints lack some keys: compare what they recorded.
+    diff = [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
+            for k, v in cfg.model_key().items() if k != "steps" and k in saved and saved[k] != v]
     if diff:
         raise _checkpoint.CheckpointError(
             f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
-            f"resume with the checkpoint's flags.")
+            f"resume with the checkpoint's settings.")
+    if cfg.steps < meta["step"]:
+        raise _checkpoint.CheckpointError(
+            f"steps={cfg.steps} is below the checkpoint's step {meta['step']}; resume with "
+            f"steps >= {meta['step']} (more steps extend the run).")
 
 
 def _load(ckpt, params, opt_state, cfg):

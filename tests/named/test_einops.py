@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from jaxbackend import named as nx
 from jaxbackend.named._errors import DimError
+from jaxbackend.testing import abs_scale, assert_close
 
 SIZES = {"batch": 2, "time": 3, "head": 2, "hd": 3}
 
@@ -48,9 +49,11 @@ def test_rearrange_matches_einops_by_name(perm, out, merge):
 def test_reduce_matches_einops_by_name(perm, keep, reduction):
     x = _x(tuple(perm))
     got = nx.reduce(x, "-> " + " ".join(keep), reduction)
-    want = einops.reduce(np.asarray(x.values), f"{' '.join(perm)} -> {' '.join(keep)}", reduction)
+    pattern = f"{' '.join(perm)} -> {' '.join(keep)}"
+    want = einops.reduce(np.asarray(x.values), pattern, reduction)
     assert got.dims == tuple(keep)
-    np.testing.assert_allclose(np.asarray(got.values), want, rtol=1e-6)
+    assert_close(got.values, want, what=f"{reduction} {pattern}",
+                 scale=abs_scale(lambda v: einops.reduce(v, pattern, reduction), x.values))
 
 
 def test_split_by_name_whatever_the_array_order():
@@ -92,7 +95,7 @@ def test_works_under_jit_and_grad():
     assert float(f(x)) == 12.0
     g = jax.grad(lambda v: nx.reduce(nx.as_named(v, ("batch", "embd")), "-> batch", "mean")
                  .values.sum())(x.values)
-    np.testing.assert_allclose(np.asarray(g), np.full((2, 6), 1 / 6))
+    assert_close(g, np.full((2, 6), 1 / 6, np.float32), what="grad of a mean")
 
 
 @pytest.mark.parametrize("call, words", [

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxbackend import _jax, testing
@@ -45,9 +46,83 @@ def test_a_non_idempotent_pass_fails():
         testing.assert_pass_preserves(lambda c: _rescaled(c, 1.0), named_attention_stack, *_args())
 
 
-def test_tolerances_per_dtype():
-    assert testing.tolerance(jnp.float32) == (1e-5, 1e-5)
+def test_tolerances_follow_the_error_model():
+    # rtol = ROUNDINGS * eps per dtype, atol 0; the loosest compared dtype wins
+    assert testing.tolerance(jnp.float32) == (64 * 2.0 ** -23, 0.0)
+    assert testing.tolerance(jnp.float64) == (64 * 2.0 ** -52, 0.0)
+    assert testing.tolerance(jnp.float16) == (4 * 2.0 ** -10, 0.0)
     assert testing.tolerance(jnp.float32, jnp.bfloat16) == testing.TOLERANCES["bfloat16"]
+    assert testing.tolerance(jnp.int32, jnp.bool_) == (0.0, 0.0)
     testing.assert_close(jnp.array([1.0, 2.0], jnp.bfloat16), jnp.array([1.0, 2.01]))
-    with pytest.raises(AssertionError, match="max abs error"):
+    with pytest.raises(AssertionError, match="differ by more than"):
         testing.assert_close(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.001]))
+    testing.assert_close(jnp.float32(1.0) + 2 ** -20, jnp.float32(1.0))     # 8 eps: inexact
+    with pytest.raises(AssertionError, match="differ by more than"):
+        testing.assert_close(jnp.float32(1.0) + 2 ** -15, jnp.float32(1.0))  # 256 eps: a bug
+
+
+def test_a_cancelling_sum_is_judged_by_the_sum_of_its_terms():
+    # 512 terms of size ~100 summing to ~0.5: two summation orders differ by
+    # far more than eps of the result, but by ~1 eps of sum|terms| (the AMD
+    # EPYC failure of the loss tests)
+    t = 100 * jax.random.normal(jax.random.key(0), (512,), jnp.float32)
+    t = t - t.mean() + 0.5 / 512
+    tree_order, reverse_order = jnp.sum(t), np.cumsum(np.asarray(t)[::-1])[-1]
+    with pytest.raises(AssertionError, match="max.reference"):
+        testing.assert_close(reverse_order, tree_order)          # at max|result|: fails
+    scale = testing.abs_scale(jnp.sum, t)
+    np.testing.assert_allclose(scale, np.abs(np.asarray(t, np.float64)).sum(), rtol=1e-6)
+    testing.assert_close(reverse_order, tree_order, scale=scale, what="sum")
+    wrong = tree_order + 1e-3 * float(scale)        # 8000 eps of the terms: a bug
+    with pytest.raises(AssertionError, match="sum:.*given"):
+        testing.assert_close(wrong, tree_order, scale=scale, what="sum")
+    # lazy: the default (max|expected|) first, the scale only where that fails
+    testing.assert_close(reverse_order, tree_order, scale=lambda: testing.abs_scale(jnp.sum, t))
+    with pytest.raises(AssertionError, match="given"):
+        testing.assert_close(wrong, tree_order, scale=lambda: testing.abs_scale(jnp.sum, t))
+
+
+def test_abs_scale_of_contractions_and_programs():
+    a = jnp.array([[1.0, -2.0], [3.0, 4.0]])
+    b = jnp.array([[1.0, -1.0], [-1.0, 1.0]])
+    np.testing.assert_array_equal(testing.abs_scale(jnp.matmul, a, b), np.abs(a) @ np.abs(b))
+    # a - b rounds relative to |a| + |b|; exact data movement adds nothing
+    np.testing.assert_array_equal(testing.abs_scale(lambda x, y: (x - y).T, a, b),
+                                  (np.abs(a) + np.abs(b)).T)
+    assert testing.abs_scale(lambda x: x[::-1].reshape(4), a).max() == 0.0
+    # through a scan, a cond and a jit: finite, positive, one per output entry
+    def prog(x):
+        y = jax.jit(jnp.tanh)(x) @ b
+        y = jax.lax.cond(y.sum() > 0, lambda q: q * 3.0, lambda q: -q, y)
+        return jax.lax.scan(lambda c, r: (c + jnp.exp(r), c), jnp.zeros(2), y)
+    (carry, ys) = testing.abs_scale(prog, a)
+    assert carry.shape == (2,) and ys.shape == (2, 2)
+    assert np.isfinite(carry).all() and (carry > 0).all() and (ys[1] > 0).all()
+    # integer outputs and non-finite outputs carry no scale
+    ints, infs = testing.abs_scale(lambda x: (x.astype(jnp.int32), x / 0.0), a)
+    assert ints.max() == 0.0 and infs.max() == 0.0
+
+
+def test_exact_kinds_and_patterns():
+    testing.assert_close(jnp.array([1, 2], jnp.int32), np.array([1, 2]))
+    with pytest.raises(AssertionError, match="integer/bool values differ"):
+        testing.assert_close(jnp.array([1, 3], jnp.int32), np.array([1, 2]))
+    with pytest.raises(AssertionError, match="integer/bool"):
+        testing.assert_close(jnp.array([True]), jnp.array([False]))
+    nonfinite = jnp.array([1.0, jnp.inf, -jnp.inf, jnp.nan])
+    testing.assert_close(nonfinite, np.array([1.0, np.inf, -np.inf, np.nan]))
+    for other in ([1.0, -np.inf, -np.inf, np.nan], [1.0, np.inf, np.nan, np.nan],
+                  [1.0, np.inf, -np.inf, 5.0]):
+        with pytest.raises(AssertionError, match="non-finite pattern"):
+            testing.assert_close(nonfinite, np.array(other))
+    with pytest.raises(AssertionError, match="shape"):
+        testing.assert_close(jnp.ones(3), jnp.ones((3, 1)))
+    with pytest.raises(AssertionError, match="dtype"):
+        testing.assert_close(jnp.ones(3, jnp.float16), jnp.ones(3), check_dtype=True)
+    with pytest.raises(AssertionError, match="weak_type"):
+        testing.assert_close(jnp.asarray(1.0), jnp.float32(1.0) + 0, check_dtype=True)
+    # pytrees leaf by leaf, an exact comparison when asked for
+    testing.assert_close({"a": jnp.ones(2), "b": (jnp.zeros(()),)},
+                         {"a": np.ones(2), "b": (np.zeros(()),)}, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scale of shape"):
+        testing.assert_close(jnp.ones((2, 3)), jnp.ones((2, 3)), scale=np.ones(2))

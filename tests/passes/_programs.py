@@ -2,9 +2,10 @@
 
 `check_pass(pass_fn, fn, args)` asserts, for a scalar-valued `fn`:
 1. the output type-checks (`_jax.check_closed_jaxpr`);
-2. before == after numerically, on the forward jaxpr and on the jaxpr of
-   `jax.value_and_grad(fn)` (the pass runs on AD-produced code too), and
-   `jax.grad` of the rewritten forward jaxpr equals `jax.grad(fn)`;
+2. before == after numerically (`jaxbackend.testing.assert_close`), on the
+   forward jaxpr and on the jaxpr of `jax.value_and_grad(fn)` (the pass runs
+   on AD-produced code too), and `jax.grad` of the rewritten forward jaxpr
+   equals `jax.grad(fn)`;
 3. running the pass twice prints the same jaxpr as running it once.
 It returns the rewritten forward and grad jaxprs for invariant counting.
 """
@@ -15,20 +16,22 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbackend import _jax
 from jaxbackend import named as nx
-
-
-def _close(a, b, rtol=2e-5, atol=2e-5):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+from jaxbackend.testing import abs_scale, assert_close
 
 
 def _run(closed, leaves):
     # one XLA compile is much faster than op-by-op eager evaluation
     return jax.jit(_jax.jaxpr_as_fun(closed))(*leaves)
+
+
+def assert_same_values(before, after, leaves, what="rewritten jaxpr"):
+    """`after` computes what `before` does on `leaves`, by the error model of
+    `jaxbackend.testing` (entries that cancel: at `before`'s own abs_scale)."""
+    assert_close(_run(after, leaves), _run(before, leaves), what=what,
+                 scale=lambda: abs_scale(_jax.jaxpr_as_fun(before), *leaves))
 
 
 def check_pass(pass_fn, fn, args, *, argnums=0):
@@ -42,14 +45,15 @@ def check_pass(pass_fn, fn, args, *, argnums=0):
         before = jax.make_jaxpr(prog)(*leaves)
         after = pass_fn(before)
         _jax.check_closed_jaxpr(after)
-        _close(_run(before, leaves), _run(after, leaves))
+        assert_same_values(before, after, leaves)
         again = pass_fn(after)
         assert str(again) == str(after), "pass is not idempotent"
         results.append(after)
     fwd = results[0]
     g_after = jax.jit(jax.grad(lambda *xs: _jax.eval_jaxpr(fwd, *xs)[0], argnums=argnums))(*leaves)
     g_before = jax.jit(jax.grad(flat_fn, argnums=argnums))(*leaves)
-    _close(g_before, g_after)
+    assert_close(g_after, g_before, what="grad of the rewritten jaxpr",
+                 scale=lambda: abs_scale(jax.grad(flat_fn, argnums=argnums), *leaves))
     return results
 
 

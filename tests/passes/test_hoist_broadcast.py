@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxbackend import passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.hoist_broadcast import remaining
+from jaxbackend.testing import abs_scale, assert_close
 from tests.passes import _programs as P
 
 
@@ -31,25 +32,23 @@ def test_hoisted_expand_does_the_unsqueeze_forms_work():
 
     assert big_elementwise(expand) == big_elementwise(unsq)
     assert _rewrite.count_eqns(expand, "sqrt") == 1
-    assert jnp.allclose(jax.core.eval_jaxpr(expand.jaxpr, expand.consts, v, y)[0],
-                        P.xsa_unsqueeze(v, y), atol=1e-5)
+    assert_close(jax.core.eval_jaxpr(expand.jaxpr, expand.consts, v, y)[0],
+                 P.xsa_unsqueeze(v, y), what="hoisted expand vs unsqueeze",
+                 scale=lambda: abs_scale(P.xsa_unsqueeze, v, y))
 
 
-def test_grad_of_expand_sums_the_group_axis_before_the_normalisation_backward():
+def test_grad_of_expand_keeps_runtime_factors_inside_the_sum():
+    """The normalisation backward's factors (1/|v|, v/|v|) are runtime values
+    that may be inf or 0, where sum(c * t) and c * sum(t) differ (nan vs inf):
+    sum sinking leaves them inside the sum (see passes._sink_sum)."""
     v, y = P.xsa_args()
     grad = jax.value_and_grad(P.xsa_loss, argnums=(0, 1))
-    grad_unsq = jax.value_and_grad(lambda v, y: jnp.sum(jnp.sin(P.xsa_unsqueeze(v, y))), argnums=(0, 1))
     with _rewrite.collect_stats() as stats:
         expand = _hoist(jax.make_jaxpr(grad)(v, y))
-    unsq = passes.dce(passes.inline_calls(jax.make_jaxpr(grad_unsq)(v, y)))
-    assert stats["sum sunk past broadcast factors"] >= 1
-
-    def full_size_divs(closed):  # the normalisation backward divides by |v|
-        return sum(1 for e in closed.jaxpr.eqns if e.primitive.name == "div"
-                   and e.outvars[0].aval.size == y.size)
-
-    assert full_size_divs(expand) == full_size_divs(unsq) == 0
-    P._close(P._run(expand, [v, y]), grad(v, y))
+    assert stats.get("sum sunk past broadcast factors", 0) == 0
+    assert remaining(expand) == 0
+    assert_close(P._run(expand, [v, y]), grad(v, y), what="hoisted value_and_grad",
+                 scale=lambda: abs_scale(grad, v, y))
 
 
 def test_hoist_leaves_reductions_over_created_axes_alone():
@@ -61,4 +60,5 @@ def test_hoist_leaves_reductions_over_created_axes_alone():
     out = passes.hoist_broadcast(jax.make_jaxpr(f)(x))
     (red,) = [e for e in out.jaxpr.eqns if e.primitive.name == "reduce_sum"]
     assert red.invars[0].aval.shape == (3, 5)    # still sums the copies
-    assert jnp.allclose(jax.core.eval_jaxpr(out.jaxpr, out.consts, x)[0], f(x))
+    assert_close(jax.core.eval_jaxpr(out.jaxpr, out.consts, x)[0], f(x), rtol=0, atol=0,
+                 what="sums of small integers (exact)")

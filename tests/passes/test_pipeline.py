@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +12,7 @@ from jaxbackend.passes import pipeline
 from jaxbackend.passes.fuse_projections import remaining as chains_left
 from jaxbackend.passes.inline import remaining as calls_left
 from tests.passes import _programs as P
+from tests.passes._programs import assert_same_values
 
 
 def test_registry_order_and_one_line_extension(monkeypatch):
@@ -95,10 +95,7 @@ def _check_pipeline(prog, args):
     _jax.check_closed_jaxpr(out)
     assert calls_left(out) == {"einsum": 0, "call": 0}
     assert chains_left(out) == 0
-    ref = jax.jit(_jax.jaxpr_as_fun(closed))(*args)
-    got = jax.jit(_jax.jaxpr_as_fun(out))(*args)
-    for a, b in zip(ref, got):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert_same_values(closed, out, args, what="pipeline output")
 
 
 @settings(max_examples=8, deadline=None)

@@ -1,34 +1,28 @@
 """`passes.reroll`: repeated layer blocks -> scan, and the near-misses it must leave alone.
 
 Reference: the unrolled jaxpr itself (before the pass), evaluated by XLA; the
-rolled one must agree on the forward value and on every gradient at 1e-5
-(float32). Sizes are tiny; each check compiles both programs once.
+rolled one must agree on the forward value and on every gradient by the
+error model of `jaxbackend.testing.assert_close` (float32). Sizes are tiny; each check compiles both programs once.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxbackend import _jax
 from jaxbackend.models import _attention_stack as attn
 from jaxbackend.models import _transformer as T
 from jaxbackend.passes.reroll import reroll, reroll_with_stats
-from tests.passes._programs import check_pass, rand
+from jaxbackend.testing import abs_scale, assert_close
+from tests.passes._programs import assert_same_values, check_pass, rand
 
 SMALL = dict(batch=1, seq=4, d=16, heads=2, mlp=32)
 
 
 def _run(closed, leaves):
     return jax.jit(_jax.jaxpr_as_fun(closed))(*leaves)
-
-
-def _close(a, b, tol=1e-5):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        u, v = np.asarray(u), np.asarray(v)
-        np.testing.assert_allclose(u, v, rtol=tol, atol=tol * max(1.0, float(np.abs(u).max())))
 
 
 def _scans(closed):
@@ -75,7 +69,7 @@ def test_transformer_value_and_grad_rolls_into_forward_and_reverse_scan(argnums,
     assert stats.stacks_reused >= len(T.PARAM_NAMES)
     assert out.in_avals == closed.in_avals and out.out_avals == closed.out_avals
     assert len(out.jaxpr.eqns) < len(closed.jaxpr.eqns) / 2
-    _close(_run(closed, leaves), _run(out, leaves))
+    assert_same_values(closed, out, leaves)
 
 
 def test_reroll_passes_the_common_pass_checks():
@@ -92,7 +86,9 @@ def test_rolled_equals_hand_written_scan():
     closed = jax.make_jaxpr(lambda x, ls: T.loop_transformer(x, ls, SMALL["heads"]))(x, layers)
     got = _run(reroll(closed), jax.tree.leaves((x, layers)))
     want = jax.jit(lambda x, s: T.scan_transformer(x, s, SMALL["heads"]))(x, T.stack_layers(layers))
-    _close(want, got)
+    assert_close(got, want, what="rolled vs hand-written scan",
+                 scale=lambda: abs_scale(lambda x, s: T.scan_transformer(x, s, SMALL["heads"]),
+                                         x, T.stack_layers(layers)))
 
 
 def test_named_attention_grad_rolls_and_keeps_dim_names_in_the_body():
@@ -106,7 +102,7 @@ def test_named_attention_grad_rolls_and_keeps_dim_names_in_the_body():
     einsums = [e for e in body.eqns if e.primitive.name == "einsum"]
     assert len(einsums) == 6   # q, k, v, scores, mix, out projection
     assert ("embd", "head", "hd") in {e.params["rhs_dims"] for e in einsums}
-    _close(_run(closed, leaves), _run(out, leaves))
+    assert_same_values(closed, out, leaves)
 
 
 # --- near-misses -----------------------------------------------------------
@@ -137,7 +133,7 @@ def _check_chain(fn, ws, expect_repeats):
     assert stats.repeats == expect_repeats
     if not expect_repeats:
         assert out is closed
-    _close(_run(closed, leaves), _run(out, leaves))
+    assert_same_values(closed, out, leaves)
     return out
 
 
@@ -215,7 +211,7 @@ def test_equations_outside_runs_are_kept_not_retraced():
     assert kept and len(rolled) > len(kept)
     new_outvars = {id(v) for e in out.jaxpr.eqns for v in e.outvars}
     assert all(id(v) in new_outvars for e in kept for v in e.outvars)
-    _close(_run(closed, leaves), _run(out, leaves))
+    assert_same_values(closed, out, leaves)
 
 
 def test_layers_inside_a_nested_jit_are_rolled_there():
@@ -228,4 +224,4 @@ def test_layers_inside_a_nested_jit_are_rolled_there():
     lengths = [e.params["length"] for sub in subs for e in sub.eqns if e.primitive.name == "scan"]
     assert lengths and all(n == 4 for n in lengths)
     assert reroll(out) is out   # idempotent: nothing left to roll anywhere
-    _close(_run(closed, leaves), _run(out, leaves))
+    assert_same_values(closed, out, leaves)

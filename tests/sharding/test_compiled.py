@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxbackend import sharding
+from jaxbackend import sharding, testing
 from jaxbackend.sharding import _hlo
 from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
 
@@ -15,9 +15,12 @@ PLANS = {"searched": None, "megatron": MEGATRON, "fsdp": FSDP, "data parallel": 
          "tensor parallel": dict(mlp="data", kv="model"), "replicated": {}}
 
 
-def _close(out, ref):
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+def _scale(block, _cache={}):
+    """The single-device step's own rounding scale (testing.abs_scale), per
+    output leaf; computed once, when a comparison needs it (a compile)."""
+    if "scale" not in _cache:
+        _cache["scale"] = testing.abs_scale(block["step"], *block["args"])
+    return _cache["scale"]
 
 
 def _dominant(by_kind, total):
@@ -41,7 +44,8 @@ def test_sharded_step_equals_single_device_on_2x4(block, compiled, name):
     plan, _, comp = compiled[name]
     # Run the very executable whose HLO the other tests read.
     out = jax.tree.unflatten(plan.out_tree, comp(*jax.tree.leaves(block["args"])))
-    _close(out, block["reference"])
+    testing.assert_close(out, block["reference"], scale=lambda: _scale(block),
+                         what=f"{name} step")
 
 
 @pytest.mark.parametrize("shape", [(8,), (4, 2)])
@@ -49,7 +53,8 @@ def test_sharded_step_equals_single_device(block, shape):
     names = ("data",) if len(shape) == 1 else ("data", "model")
     mesh = sharding.auto_mesh(shape, names)
     f = sharding.sharded_jit(block["step"], mesh=mesh)
-    _close(f(*block["args"]), block["reference"])
+    testing.assert_close(f(*block["args"]), block["reference"], scale=lambda: _scale(block),
+                         what=f"step on mesh {shape}")
     assert f.plan is not None and f.plan.cost["time"] > 0
 
 
@@ -105,10 +110,11 @@ def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
     comp = f.lower(*args).compile()
     loss, new = jax.tree.unflatten(f.plan.out_tree, comp(*jax.tree.leaves(args)))
     ref_loss, ref_new = block["reference"]
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    testing.assert_close(loss, ref_loss, scale=lambda: _scale(block)[0], what="scanned loss")
     for k, v in new["layers"].items():
         want = np.stack([np.asarray(layer[k].values) for layer in ref_new["layers"]])
-        np.testing.assert_allclose(np.asarray(v.values), want, rtol=2e-5, atol=2e-6)
+        testing.assert_close(v.values, want, what=f"scanned layers {k}", scale=lambda: np.stack(
+            [np.asarray(layer[k].values) for layer in _scale(block)[1]["layers"]]))
     hlo = _hlo.collectives(comp.as_text())
     h = sum(v["bytes"] for v in hlo.values())
     p = sum(f.plan.cost[k]["bytes"] for k in KINDS)

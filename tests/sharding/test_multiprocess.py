@@ -10,6 +10,8 @@ import sys
 import jax
 import numpy as np
 
+from jaxbackend import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("_mp_worker.py")
 
@@ -40,6 +42,6 @@ def test_two_processes_match_single_process(block, tmp_path):
     leaves = [got[f"arr_{i}"] for i in range(len(got.files) - 1)]
     ref = jax.tree.leaves(block["reference"])
     assert len(leaves) == len(ref)
-    for a, b in zip(leaves, ref):
-        np.testing.assert_allclose(a, np.asarray(b), rtol=2e-5, atol=2e-6)
+    testing.assert_close(leaves, ref, what="two-process step",
+                         scale=lambda: testing.abs_scale(block["step"], *block["args"]))
     print("\nrules used by both processes:", got["rules"])

@@ -76,3 +76,78 @@ def test_a_write_that_dies_before_the_rename_keeps_the_old_checkpoint(tmp_path, 
     state, meta = _checkpoint.load(path, _state())
     assert meta["step"] == 1 and np.array_equal(state["w"], _state()["w"])
     assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+
+
+def test_load_errors_name_the_parameter_path(tmp_path):
+    path = _checkpoint.save(tmp_path / "c.ckpt", _state(), {"step": 1})
+    err = _checkpoint.CheckpointError
+    with pytest.raises(err, match=r"array \['w'\] has shape \(2, 3\) float32 but the model expects"):
+        _checkpoint.load(path, {**_state(), "w": jnp.zeros((3, 2))})
+    with pytest.raises(err, match=r"lacks \['extra'\]"):
+        _checkpoint.load(path, {**_state(), "extra": jnp.zeros(2)})
+    with pytest.raises(err, match=r"holds \['n'\]\[1\], which the model lacks"):
+        _checkpoint.load(path, {"w": jnp.zeros((2, 3)), "n": [jnp.int32(0)]})
+
+
+_TINY_GPT = dict(vocab_size=20, seq_len=8, n_layers=1, embd=8, heads=2, dropout=0.1)
+
+
+def test_model_state_with_rng_keys_roundtrips(tmp_path):
+    from flax import nnx
+
+    from jaxbackend.models import GPT, GPTConfig
+    from jaxbackend.train import load_checkpoint, save_checkpoint
+
+    cfg = GPTConfig(**_TINY_GPT)
+    model = GPT(cfg, rngs=nnx.Rngs(0, dropout=jax.random.key(3, impl="rbg")))
+    state = {"model": nnx.state(model), "key": jax.random.key(4)}
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+    assert {str(jax.random.key_impl(k)) for k in jax.tree.leaves(state) if is_key(k)} == \
+        {"threefry2x32", "rbg"}
+    path = save_checkpoint(tmp_path / "m.ckpt", state, {"step": 0})
+    fresh = GPT(cfg, rngs=nnx.Rngs(1, dropout=jax.random.key(5, impl="rbg")))
+    again, _ = load_checkpoint(path, {"model": nnx.state(fresh), "key": jax.random.key(0)})
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype  # key<fry>, key<rbg>: the impl survives
+        if is_key(b):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    nnx.update(fresh, again["model"])
+    tokens = jnp.arange(8)[None] % 20
+    np.testing.assert_array_equal(fresh(tokens).values, model(tokens).values)  # same dropout draws
+
+
+def test_generate_leaves_the_callers_train_or_eval_mode():
+    from flax import nnx
+
+    from jaxbackend.models import GPT, GPTConfig, generate
+
+    model = GPT(GPTConfig(**_TINY_GPT), rngs=nnx.Rngs(0))
+    modes = lambda: {m.deterministic for _, m in nnx.iter_graph(model)  # noqa: E731
+                     if isinstance(m, nnx.Dropout)}
+    model.eval()
+    generate(model, [1, 2], 2, key=jax.random.key(0))
+    assert modes() == {True}
+    model.train()
+    generate(model, [1, 2], 2, key=jax.random.key(0))
+    assert modes() == {False}
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that no longer runs
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        stale = tmp_path / f"c.ckpt.tmp-{proc.pid}"
+        busy = tmp_path / f"c.ckpt.tmp-{live.pid}"
+        other = tmp_path / "notes.tmp-1"
+        for f in (stale, busy, other):
+            f.write_bytes(b"partial")
+        assert _checkpoint.remove_stale_tmp(tmp_path / "c.ckpt") == [stale]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, other.name])
+    finally:
+        live.kill()
+        live.wait()

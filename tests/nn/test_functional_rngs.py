@@ -1,0 +1,124 @@
+"""`nn.functional` on models with dropout: jit, grad, fresh randomness.
+
+`fn(params, *args)` must be a pure function, so it runs under `jax.jit`,
+`jb.jit` and `jax.grad` (a model's RNG counters are Flax variables that may
+only be advanced in the trace that made them). Randomness comes from the
+`key=` argument: a fresh key per call gives fresh dropout masks, the same key
+the same masks, eagerly or compiled; without a key the masks come from the
+model's RNG state at `functional` time (the same on every call). In eval mode
+the key changes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxbackend as jb
+from jaxbackend import named as nx
+from jaxbackend import nn
+from jaxbackend.models import GPT, GPTConfig
+from jaxbackend.testing import assert_close
+
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=1, embd=8, heads=2, dropout=0.5)
+
+
+def _tokens():
+    t = jax.random.randint(jax.random.key(1), (2, CFG.seq_len + 1), 0, CFG.vocab_size)
+    return t[:, :-1], t[:, 1:]
+
+
+class TwoDrops(nnx.Module):
+    """ones -> two dropout layers; `loss` returns both masks (scaled)."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((6, 5)), dims=("a", "b"))
+        self.d1 = nn.Dropout(0.5, rngs=rngs)
+        self.d2 = nn.Dropout(0.5, rngs=rngs)
+
+    def loss(self, x):
+        h = nx.NamedArray(x * self.w[...], ("a", "b"))
+        return self.d1(h).values, self.d2(h).values
+
+
+def test_dropout_model_runs_under_jax_jit_and_jb_jit():
+    x, y = _tokens()
+    params, loss = nn.functional(GPT(CFG, rngs=nnx.Rngs(0)), "loss")
+    eager = loss(params, x, y)
+    assert_close(jax.jit(loss)(params, x, y), eager, what="jax.jit loss")
+    assert_close(jb.jit(loss)(params, x, y), eager, what="jb.jit loss")
+    # Pure: calling it again (eagerly or compiled) repeats the same masks.
+    assert_close(loss(params, x, y), eager, rtol=0, atol=0, what="second eager call")
+
+
+@pytest.mark.parametrize("jit", [jax.jit, jb.jit], ids=["jax.jit", "jb.jit"])
+def test_grad_under_jit_with_key(jit):
+    x, y = _tokens()
+    params, loss = nn.functional(GPT(CFG, rngs=nnx.Rngs(0)), "loss")
+
+    def step(params, x, y, key):
+        return jax.value_and_grad(loss)(params, x, y, key=key)
+
+    k = jax.random.key(7)
+    lc, gc = jit(step)(params, x, y, k)
+    le, ge = step(params, x, y, k)
+    assert_close(lc, le, what="loss")
+    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(ge)):
+        assert a.dtype == b.dtype
+        assert_close(a, b, atol=1e-5, what="grad")
+    assert jax.tree.structure(gc) == jax.tree.structure(params)
+
+
+def test_key_gives_fresh_randomness_per_call():
+    params, fn = nn.functional(TwoDrops(nnx.Rngs(0)), "loss")
+    x = jnp.ones((6, 5))
+    f = jax.jit(fn)
+    a1, b1 = f(params, x, key=jax.random.key(1))
+    a2, b2 = f(params, x, key=jax.random.key(2))
+    a1_again, _ = f(params, x, key=jax.random.key(1))
+    assert not np.array_equal(a1, a2)          # a new key, new masks
+    np.testing.assert_array_equal(a1, a1_again)  # the same key, the same masks
+    assert not np.array_equal(a1, b1)          # the layers' streams stay distinct
+    # Eager and compiled agree for a key; a raw uint32 key works too.
+    np.testing.assert_array_equal(fn(params, x, key=jax.random.key(1))[0], a1)
+    raw = f(params, x, key=jax.random.PRNGKey(1))[0]
+    np.testing.assert_array_equal(raw, fn(params, x, key=jax.random.PRNGKey(1))[0])
+    # A training loop's per-step key: every step draws new masks.
+    masks = {np.asarray(f(params, x, key=jax.random.fold_in(jax.random.key(0), s))[0]).tobytes()
+             for s in range(4)}
+    assert len(masks) == 4
+    # Dropout at rate 0.5 keeps about half, scaled by 2.
+    assert set(np.unique(np.asarray(a1)).tolist()) <= {0.0, 2.0}
+    assert 0.2 < float(jnp.mean(a1 > 0)) < 0.8
+
+
+def test_eval_mode_is_deterministic():
+    x, y = _tokens()
+    model = GPT(CFG, rngs=nnx.Rngs(0))
+    model.eval()
+    params, loss = nn.functional(model, "loss")
+    want = model.loss(x, y)
+    f = jax.jit(loss)
+    for key in (None, jax.random.key(1), jax.random.key(2)):
+        got = f(params, x, y) if key is None else f(params, x, y, key=key)
+        assert_close(got, want, what=f"eval loss, key={key}")
+
+
+def test_model_stays_usable_after_compiled_calls():
+    x, y = _tokens()
+    model = GPT(CFG, rngs=nnx.Rngs(0))
+    params, loss = nn.functional(model, "loss")
+    jax.jit(loss)(params, x, y, key=jax.random.key(3))
+    jax.jit(jax.grad(loss))(params, x, y)
+    assert np.isfinite(float(model.loss(x, y)))  # no leaked tracer in its RNG state
+
+
+def test_bad_key_is_a_clear_error():
+    params, fn = nn.functional(TwoDrops(nnx.Rngs(0)), "loss")
+    with pytest.raises(TypeError, match="key"):
+        fn(params, jnp.ones((6, 5)), key=3)
+    with pytest.raises(TypeError, match="key"):
+        fn(params, jnp.ones((6, 5)), key=jax.random.split(jax.random.key(0), 2))

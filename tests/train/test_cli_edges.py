@@ -1,0 +1,146 @@
+"""`python -m jaxbackend train` at its edges: run folders, --resume reusing
+the checkpoint's flags, SIGTERM, stale temp files, the progress bar on a
+terminal, argument checks and --help."""
+
+import io
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from jaxbackend.train import _checkpoint, _cli, _loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SMALL = ["--tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--embd", "16", "--heads", "2",
+         "--eval-every", "0", "--sample-chars", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_xla_flags(monkeypatch):
+    # `main(--devices N)` rewrites XLA_FLAGS for its own process.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+
+
+def _main(args, capsys):
+    code = _cli.main(args)
+    return code, capsys.readouterr().err.strip()
+
+
+def _one_line_error(code, err, *needles):
+    assert code == 2 and err.startswith("error:") and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+def test_help_shows_every_default():
+    text = " ".join(_cli.parser().format_help().split())
+    for words in ("training steps (with --resume: the new total) (default: 250)",
+                  "validation every N steps, 0 = at the end (default: 100)",
+                  "folder for checkpoint and loss.png (default: runs/train)",
+                  "simulated CPU devices (N > 1: data mesh + sharding plan) (default: 1)",
+                  "small defaults for tests: steps 40, batch 4"):
+        assert words in text
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_lr_must_be_finite(value, capsys):
+    _one_line_error(*_main(["--tiny", f"--lr={value}"], capsys), f"--lr: '{value}' is not finite")
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
+    (tmp_path / "checkpoint.ckpt").write_bytes(b"an earlier run")
+    _one_line_error(*_main(SMALL + ["--out", str(tmp_path)], capsys),
+                    f"--out {tmp_path} already holds a run (checkpoint.ckpt)", "--overwrite",
+                    "--resume")
+    _one_line_error(*_main(SMALL + ["--out", str(tmp_path), "--resume", "--overwrite"], capsys),
+                    "give only one of them")
+    assert (tmp_path / "checkpoint.ckpt").read_bytes() == b"an earlier run"
+
+
+def _fake_checkpoint(folder, **config):
+    cfg = _loop.TrainConfig(**{**dict(steps=3, batch=2, seq=16, layers=1, embd=16, heads=2,
+                                      max_chars=1000), **config})
+    meta = dict(step=3, config=cfg.model_key(), settings=cfg.settings(), history=[], val_history=[])
+    return _checkpoint.save(folder / "checkpoint.ckpt", {}, meta)
+
+
+def test_resume_errors_name_flags_that_exist(tmp_path, capsys):
+    # the CLI's copies of _loop's names (it avoids importing flax before parsing)
+    assert set(_cli.FIXED_ON_RESUME) == set(_loop.TrainConfig().model_key()) - {"steps"}
+    assert _cli.CKPT_NAME == _loop.CKPT_NAME
+    ckpt = _fake_checkpoint(tmp_path)
+    out = ["--resume", "--out", str(tmp_path)]
+    _one_line_error(*_main(out + ["--embd", "32"], capsys),
+                    "--embd 32 differs from the checkpoint's 16", "drop --embd")
+    _one_line_error(*_main(out + ["--steps", "2"], capsys),
+                    "--steps 2 is below the checkpoint's step 3")
+    # max_chars is no flag (only --tiny sets it): the API error names the field
+    with pytest.raises(_checkpoint.CheckpointError, match="max_chars=1000 .checkpoint.") as e:
+        _loop._check_resumable(ckpt, _loop.TrainConfig(steps=3, batch=2, seq=16, layers=1, embd=16,
+                                                       heads=2, max_chars=200_000))
+    assert "--max-chars" not in str(e.value)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_resume_reuses_the_checkpoints_flags_and_more_steps_extend(tmp_path, monkeypatch):
+    # A save killed before its rename leaves a temp file; the next run removes it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"checkpoint.ckpt.tmp-{dead.pid}"
+    stale.write_bytes(b"partial")
+    screen = _Terminal()  # stdout and stderr on one terminal, as in a shell
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert _cli.main(SMALL + ["--ckpt-every", "1", "--lr", "0.002", "--out", str(tmp_path)]) == 0
+    text = screen.getvalue()
+    assert not stale.exists() and f"removed {stale}" in text
+    # the bar's line ends before each message: no "...tok/s checkpoint step 1" lines
+    lines = text.replace("\r", "\n").splitlines()
+    assert sum(line.startswith("checkpoint step") for line in lines) == 3
+    assert not [line for line in lines if "tok/s" in line and "checkpoint" in line]
+
+    screen.seek(0), screen.truncate()
+    # No flags but --steps: model, data, schedule and --ckpt-every come from the checkpoint.
+    assert _cli.main(["--resume", "--steps", "5", "--quiet", "--out", str(tmp_path)]) == 0, \
+        screen.getvalue()
+    assert f"resumed from {tmp_path / 'checkpoint.ckpt'} at step 3" in screen.getvalue()
+    assert "checkpoint step 4" in screen.getvalue()
+    meta = _checkpoint.read_meta(tmp_path / "checkpoint.ckpt")
+    assert meta["step"] == 5 and len(meta["history"]) == 5
+    assert {k: meta["settings"][k] for k in ("embd", "seq", "batch", "lr", "max_chars")} == \
+        dict(embd=16, seq=16, batch=2, lr=0.002, max_chars=_cli.TINY["max_chars"])
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jaxbackend", "train", *SMALL, "--steps", "5000", "--quiet",
+           "--ckpt-every", "0", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("unigram baseline"):  # the last line before the first step
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    step = _checkpoint.read_meta(tmp_path / "checkpoint.ckpt")["step"]
+    assert 1 <= step < 5000
+    assert err.strip() == (f"stopped by SIGTERM after step {step}; checkpoint saved to "
+                           f"{tmp_path / 'checkpoint.ckpt'}; rerun with --resume to continue")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.ckpt"]
+
+
+def test_explain_unknown_pass_is_one_line(capsys):
+    from jaxbackend import _explain
+
+    target = str(ROOT / "examples" / "explain_target.py") + ":train_step"
+    code = _explain.main([target, "--passes", "cse,bogus"])
+    _one_line_error(code, capsys.readouterr().err.strip(), "'bogus'")
