@@ -9,3 +9,8 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run many more seeds of the differential fuzzer (tests/test_fuzz.py)")
