@@ -129,16 +129,17 @@ def parse(argv):
             raise _UsageError("--overwrite starts a new run and --resume continues one; "
                               "give only one of them")
         _take_checkpoint_settings(args, given, run / CKPT_NAME)
-    else:
-        held = [n for n in (CKPT_NAME, "loss.png") if (run / n).exists()]
-        if held and not args.overwrite:
-            raise _UsageError(f"--out {run} already holds a run ({', '.join(held)}); pass --resume "
-                              f"to continue it, --overwrite to replace it, or another --out")
     if args.embd % args.heads:
         raise _UsageError(f"--embd {args.embd} does not divide by --heads {args.heads}; "
                           f"pick --embd a multiple of --heads")
     if args.seq < 2:
         raise _UsageError(f"--seq {args.seq} must be at least 2")
+    # After the flag checks: a bad flag is reported as such even where --out
+    # already holds a run (the README's main job leaves one in runs/train).
+    held = [n for n in (CKPT_NAME, "loss.png") if (run / n).exists()]
+    if not args.resume and held and not args.overwrite:
+        raise _UsageError(f"--out {run} already holds a run ({', '.join(held)}); pass --resume "
+                          f"to continue it, --overwrite to replace it, or another --out")
     return args
 
 
