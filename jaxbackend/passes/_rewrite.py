@@ -228,6 +228,15 @@ def _same_type(a, b) -> bool:
     return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
 
 
+def same_types(eqn, outs, what: str = "replacement"):
+    """`outs`, if each has the shape, dtype and weak type of the output of
+    `eqn` it replaces; otherwise the rule does not apply (RewriteDeclined:
+    when in doubt, keep). Rules call it where they build their result."""
+    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, outs)):
+        raise RewriteDeclined(f"{eqn.primitive.name}: {what} changes the type")
+    return outs
+
+
 def _rewrite_closed(closed, rules, shared):
     rw = Rewriter(rules, closed=True, shared=shared)
     _, outvars = rw.run(closed.jaxpr)

@@ -121,13 +121,6 @@ def _names(producer, atom):
     return None
 
 
-def _same_types(eqn, outs):
-    """`outs`, if each has the shape, dtype and weak type of the output it
-    replaces; otherwise the rule does not apply (when in doubt, keep)."""
-    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, outs)):
-        raise _rewrite.RewriteDeclined(f"{eqn.primitive.name}: fused contraction changes the type")
-    return outs
-
 
 def _emit(ctx, x, y, lhs_c, rhs_c, dot, names):
     # precision and preferred_element_type carried over: same algorithm
@@ -155,7 +148,8 @@ def _forward_rule(ctx, eqn):
     xn, wn = _names(ctx.producer, x), _names(ctx.producer, w)
     if xn is not None and wn is not None and xn[-1] == wn[c] and wn[1 - c] not in xn:
         names = (xn, wn, xn[:-1] + (wn[1 - c],))
-    out = _same_types(eqn, _emit(ctx, x, w, (r - 1,), (c,), dot, names))
+    out = _rewrite.same_types(eqn, _emit(ctx, x, w, (r - 1,), (c,), dot, names),
+                              "fused contraction")
     ctx.count("forward chain fused")
     return out
 
@@ -170,7 +164,8 @@ def _weight_grad_rule(ctx, eqn):
     xn, gn = _names(ctx.producer, x), _names(ctx.producer, g)
     if (xn is not None and gn is not None and xn[:-1] == gn[:-1] and xn[-1] != gn[-1]):
         names = (xn, gn, (xn[-1], gn[-1]))
-    out = _same_types(eqn, _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names))
+    out = _rewrite.same_types(eqn, _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names),
+                              "fused contraction")
     ctx.count("weight-grad chain fused")
     return out
 

@@ -53,7 +53,7 @@ When it preserves `jax.jit`'s results, rule by rule:
   (float32/float64 only; compile-time factors that are finite and normal).
 
 Checked for every rule: a replacement whose shape, dtype or weak type
-differs from the equation it replaces is declined (`_same_types`).
+differs from the equation it replaces is declined (`_rewrite.same_types`).
 """
 
 from __future__ import annotations
@@ -110,13 +110,6 @@ def _sharded(params) -> bool:
     return any(params.get(k) is not None for k in ("sharding", "out_sharding"))
 
 
-def _same_types(eqn, outs):
-    """`outs`, if each has the shape, dtype and weak type of the output it
-    replaces; otherwise the rule does not apply (when in doubt, keep)."""
-    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, outs)):
-        raise _rewrite.RewriteDeclined(f"{eqn.primitive.name}: replacement changes the type")
-    return outs
-
 
 def _elementwise_rule(ctx, eqn):
     shape = tuple(eqn.outvars[0].aval.shape)
@@ -155,7 +148,7 @@ def _elementwise_rule(ctx, eqn):
         hash(key)
     except TypeError:
         key = None
-    out = _same_types(eqn, ctx.emit(fn, args, key))
+    out = _rewrite.same_types(eqn, ctx.emit(fn, args, key))
     ctx.count(f"hoisted {prim.name}")
     return out
 
@@ -169,7 +162,7 @@ def _reduction_rule(ctx, eqn, consts=None):
         node = _sink_sum.plan(ctx.producer, eqn.invars[0], _jax.reduce_axes(eqn),
                               lambda a: _sink_sum.constant_value(ctx.producer, a, consts))
         if node is not None:
-            out = _same_types(eqn, [_sink_sum.emit(ctx, node)])
+            out = _rewrite.same_types(eqn, [_sink_sum.emit(ctx, node)])
             ctx.count("sum sunk past broadcast factors")
     return out
 
@@ -195,7 +188,7 @@ def _hoist_reduction(ctx, eqn):
         return _broadcast(prim.bind(x, **params), out_shape, remaining_dims)
 
     key = ("hoist-reduce", prim, tuple(sorted(params.items())), dims, s)
-    out = _same_types(eqn, ctx.emit(fn, [x], key))
+    out = _rewrite.same_types(eqn, ctx.emit(fn, [x], key))
     ctx.count(f"hoisted {prim.name}")
     return out
 
@@ -209,7 +202,7 @@ def _compose_rule(ctx, eqn):
     outer_dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
     dims = tuple(outer_dims[d] for d in inner.params["broadcast_dimensions"])
     shape = tuple(eqn.params["shape"])
-    out = _same_types(eqn, ctx.bind(lax.broadcast_in_dim_p, [inner.invars[0]], shape=shape,
+    out = _rewrite.same_types(eqn, ctx.bind(lax.broadcast_in_dim_p, [inner.invars[0]], shape=shape,
                                     broadcast_dimensions=dims, sharding=eqn.params.get("sharding")))
     ctx.count("broadcasts composed")
     return out

@@ -48,8 +48,7 @@ def _einsum_rule(ctx, eqn):
     params = dict(eqn.params)  # precision and preferred_element_type included
     key = ("einsum_to_dot_general", tuple(sorted(params.items())))
     out = ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **params), eqn.invars, key)
-    if not all(_jax.same_aval(old.aval, new.aval) for old, new in zip(eqn.outvars, out)):
-        raise _rewrite.RewriteDeclined("einsum: dot_general result type differs")
+    _rewrite.same_types(eqn, out, "dot_general result")
     ctx.count("einsum->dot_general")
     return out
 
