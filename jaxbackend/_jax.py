@@ -384,3 +384,61 @@ def same_aval(a, b) -> bool:
     a weak type decides how a program's output promotes in later code)."""
     return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
             and getattr(a, "weak_type", False) == getattr(b, "weak_type", False))
+
+
+# --- primitive params read by the passes and the sharding graph ---------------
+# JAX 0.10 names: transpose "permutation"; broadcast_in_dim "shape",
+# "broadcast_dimensions", "sharding"; squeeze "dimensions"; reshape
+# "new_sizes", "dimensions" (None unless the reshape also transposes),
+# "sharding"; dot_general "dimension_numbers" ((lc, rc), (lb, rb)),
+# "precision", "preferred_element_type", "out_sharding"; gather
+# "dimension_numbers" (GatherDimensionNumbers: offset_dims,
+# collapsed_slice_dims, operand_batching_dims, ...) and "slice_sizes"; scatter
+# "dimension_numbers" (ScatterDimensionNumbers: update_window_dims,
+# inserted_window_dims, operand_batching_dims, ...); concatenate "dimension".
+
+def transpose_permutation(eqn) -> tuple:
+    """The permutation of a `transpose` equation."""
+    return tuple(int(d) for d in eqn.params["permutation"])
+
+
+def broadcast_dimensions(eqn) -> tuple:
+    """For `broadcast_in_dim`: the output axis of each operand axis."""
+    return tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+
+
+def squeeze_dimensions(eqn) -> tuple:
+    """The removed axes of a `squeeze` equation (may be negative)."""
+    return tuple(int(d) for d in eqn.params["dimensions"])
+
+
+def reshape_transposes(eqn) -> bool:
+    """Does this `reshape` also permute its operand (`dimensions` set)?"""
+    return eqn.params.get("dimensions") is not None
+
+
+def dot_dimension_numbers(eqn) -> tuple:
+    """((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)) of a dot_general."""
+    return eqn.params["dimension_numbers"]
+
+
+def gather_parts(eqn) -> tuple:
+    """(GatherDimensionNumbers, slice_sizes) of a `gather` equation."""
+    return eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
+
+
+def scatter_dimension_numbers(eqn):
+    """The ScatterDimensionNumbers of a scatter / scatter-add equation."""
+    return eqn.params["dimension_numbers"]
+
+
+def concatenate_dimension(eqn) -> int:
+    """The axis a `concatenate` equation joins along."""
+    return int(eqn.params["dimension"])
+
+
+def has_sharding_annotation(eqn) -> bool:
+    """Does the equation carry an explicit output sharding (JAX 0.10:
+    `sharding` on broadcast_in_dim/reshape/iota, `out_sharding` on
+    dot_general)? Rewriting it could drop that annotation."""
+    return any(eqn.params.get(k) is not None for k in ("sharding", "out_sharding"))
