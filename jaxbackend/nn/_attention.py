@@ -11,6 +11,9 @@ without copying k or v (no `repeat`): the score contraction simply has
 dim renamed `<time>_k` (`time_k`), so the scores carry (..., time, time_k)
 and the causal mask is `time >= time_k` by name.
 
+Precision: `dtype` (compute) and `param_dtype` (storage) as in the other
+layers; scores and softmax run in at least float32.
+
 Rotary positions (RoPE, the "rotate half" form) rotate the first and second
 halves of `hd` of q and k by position-dependent angles; `rope(...)` is
 exported so positional references can apply the same formula.
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxbackend import named as nx
-from jaxbackend.nn._layers import Dropout, Linear, check_input
+from jaxbackend.nn._layers import Dropout, Linear, cast, check_input
 
 
 def rope_tables(t: int, hd: int, base: float = 10000.0, dtype=jnp.float32):
@@ -53,7 +56,7 @@ class MultiHeadAttention(nnx.Module):
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  head_dim: int | None = None, causal: bool = True, rotary: bool = False,
                  use_bias: bool = True, dropout: float = 0.0, time: str = "time",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if not isinstance(time, str) or not time:
             raise nx.DimError(f"MultiHeadAttention: time={time!r} must be a dim name (a non-empty "
                               f"str), the input's sequence dim.")
@@ -71,14 +74,11 @@ class MultiHeadAttention(nnx.Module):
         self.time, self.time_k = time, f"{time}_k"
         kv = "head" if kv_heads == heads else "kv_head"
         self.kv_dim = kv
-        self.query = Linear({"embd": embd}, {"head": heads, "hd": head_dim}, use_bias=use_bias,
-                            dtype=dtype, rngs=rngs)
-        self.key = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, use_bias=use_bias,
-                          dtype=dtype, rngs=rngs)
-        self.value = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, use_bias=use_bias,
-                            dtype=dtype, rngs=rngs)
-        self.out = Linear({"head": heads, "hd": head_dim}, {"embd": embd}, use_bias=use_bias,
-                          dtype=dtype, rngs=rngs)
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.query = Linear({"embd": embd}, {"head": heads, "hd": head_dim}, **kw)
+        self.key = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, **kw)
+        self.value = Linear({"embd": embd}, {kv: kv_heads, "hd": head_dim}, **kw)
+        self.out = Linear({"head": heads, "hd": head_dim}, {"embd": embd}, **kw)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
@@ -94,12 +94,15 @@ class MultiHeadAttention(nnx.Module):
         k, v = k.rename({tq: tk}), v.rename({tq: tk})
         if self.kv_dim != "head":  # GQA: head -> (kv_head, group), by name
             q = q.unstack(head={"kv_head": self.kv_heads, "group": self.heads // self.kv_heads})
-        s = nx.dot(q, k, dim="hd") / math.sqrt(self.head_dim)
+        # scores and softmax in at least float32 (a bfloat16 softmax over a
+        # long row rounds its largest terms); the weights go back to v's dtype
+        s = cast(nx.dot(q, k, dim="hd"), jnp.promote_types(q.dtype, jnp.float32))
+        s = s / math.sqrt(self.head_dim)
         if self.causal:
             t = x.sizes[tq]
             mask = nx.arange(t, dim=tq) >= nx.arange(t, dim=tk)
             s = nx.where(mask, s, jnp.finfo(s.dtype).min)
-        a = self.dropout(nx.softmax(s, dim=tk))
+        a = self.dropout(cast(nx.softmax(s, dim=tk), v.dtype))
         o = nx.dot(a, v, dim=tk)
         if self.kv_dim != "head":
             o = o.stack(head=("kv_head", "group"))

@@ -24,14 +24,15 @@ class MLP(nnx.Module):
     `"swiglu"`: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, embd: int, hidden: int, *, activation: str = "gelu",
-                 use_bias: bool = True, dropout: float = 0.0, dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dropout: float = 0.0, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         if activation not in ACTIVATIONS:
             raise ValueError(f"MLP: activation={activation!r} is not one of {ACTIVATIONS}.")
         self.activation = activation
-        self.up = Linear({"embd": embd}, {"mlp": hidden}, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.gate = (Linear({"embd": embd}, {"mlp": hidden}, use_bias=use_bias, dtype=dtype,
-                            rngs=rngs) if activation == "swiglu" else None)
-        self.down = Linear({"mlp": hidden}, {"embd": embd}, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up = Linear({"embd": embd}, {"mlp": hidden}, **kw)
+        self.gate = Linear({"embd": embd}, {"mlp": hidden}, **kw) if activation == "swiglu" else None
+        self.down = Linear({"mlp": hidden}, {"embd": embd}, **kw)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
@@ -49,17 +50,18 @@ class TransformerBlock(nnx.Module):
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  mlp_hidden: int | None = None, activation: str = "gelu", norm: str = "layernorm",
                  rotary: bool = False, use_bias: bool = True, dropout: float = 0.0,
-                 time: str = "time", dtype=jnp.float32, rngs: nnx.Rngs):
+                 time: str = "time", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if norm not in NORMS:
             raise ValueError(f"TransformerBlock: norm={norm!r} is not one of {tuple(NORMS)}.")
         Norm = NORMS[norm]
-        self.norm1 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
+        dt = dict(dtype=dtype, param_dtype=param_dtype)
+        self.norm1 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.attn = MultiHeadAttention(embd, heads, kv_heads=kv_heads, rotary=rotary,
-                                       use_bias=use_bias, dropout=dropout, time=time, dtype=dtype,
+                                       use_bias=use_bias, dropout=dropout, time=time, **dt,
                                        rngs=rngs)
-        self.norm2 = Norm({"embd": embd}, dtype=dtype, rngs=rngs)
+        self.norm2 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.mlp = MLP(embd, mlp_hidden or 4 * embd, activation=activation, use_bias=use_bias,
-                       dropout=dropout, dtype=dtype, rngs=rngs)
+                       dropout=dropout, **dt, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         x = x + self.attn(self.norm1(x))

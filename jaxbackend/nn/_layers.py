@@ -6,6 +6,14 @@ by name, so an input may carry any extra dims (batch, time, head, ...) in any
 order: they pass through. Contractions go through `nx.dot`, so each is one
 named `einsum` equation in the jaxpr, forward and backward.
 
+Precision, as in Flax: `param_dtype` is the dtype parameters are stored in
+(default float32) and `dtype` the dtype the layer computes in (default None:
+the promoted dtype of the input and the parameters). So
+`dtype=jnp.bfloat16` gives bfloat16 matmuls over float32 master weights
+(the cast is inside the step, so gradients arrive in float32). The norms take
+their mean and variance in at least float32 whatever `dtype` is, and return
+`dtype`. Where every dtype is already the compute dtype, no cast is emitted.
+
 Errors: a missing or wrongly sized input dim raises `nx.DimError` naming the
 layer, the dim and both sizes.
 """
@@ -26,6 +34,18 @@ def _sizes(op: str, arg: str, sizes) -> dict:
         raise nx.DimError(f"{op}: {arg}={sizes!r} must be a non-empty dict of dim name -> size, "
                           f"e.g. {{'embd': 64}}.")
     return {str(d): int(n) for d, n in sizes.items()}
+
+
+def compute_dtype(dtype, *xs):
+    """`dtype` if given, else the promoted dtype of the non-None `xs`
+    (NamedArrays or arrays): Flax's `promote_dtype` rule."""
+    return jnp.dtype(dtype) if dtype is not None else jnp.result_type(
+        *[x.dtype for x in xs if x is not None])
+
+
+def cast(x, dtype):
+    """x (a NamedArray, array or None) in `dtype`; no equation when it is already."""
+    return x if x is None or x.dtype == dtype else x.astype(dtype)
 
 
 def check_input(op: str, x, sizes: dict) -> None:
@@ -51,7 +71,7 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, in_sizes: dict, out_sizes: dict, *, use_bias: bool = True,
-                 dtype=jnp.float32, kernel_init=None, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, kernel_init=None, rngs: nnx.Rngs):
         self.in_sizes = _sizes("Linear", "in_sizes", in_sizes)
         self.out_sizes = _sizes("Linear", "out_sizes", out_sizes)
         both = set(self.in_sizes) & set(self.out_sizes)
@@ -62,15 +82,20 @@ class Linear(nnx.Module):
         for n in self.in_sizes.values():
             fan_in *= n
         init = kernel_init or _params.fan_in_normal(fan_in)
-        self.kernel = _params.param(init, rngs.params(), {**self.in_sizes, **self.out_sizes}, dtype)
-        self.bias = (_params.param(_params.zeros_init, None, self.out_sizes, dtype)
+        self.dtype = dtype
+        self.kernel = _params.param(init, rngs.params(), {**self.in_sizes, **self.out_sizes},
+                                    param_dtype)
+        self.bias = (_params.param(_params.zeros_init, None, self.out_sizes, param_dtype)
                      if use_bias else None)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         check_input("Linear", x, self.in_sizes)
-        y = nx.dot(x, named(self.kernel), dim=tuple(self.in_sizes))
-        if self.bias is not None:
-            y = y + named(self.bias)
+        kernel = named(self.kernel)
+        bias = None if self.bias is None else named(self.bias)
+        dt = compute_dtype(self.dtype, x, kernel, bias)
+        y = nx.dot(cast(x, dt), cast(kernel, dt), dim=tuple(self.in_sizes))
+        if bias is not None:
+            y = y + cast(bias, dt)
         return y
 
 
@@ -83,10 +108,12 @@ class Embedding(nnx.Module):
     """
 
     def __init__(self, num: int, features: int, *, vocab_dim: str = "vocab",
-                 embd_dim: str = "embd", dtype=jnp.float32, rngs: nnx.Rngs):
-        self.vocab_dim, self.embd_dim = vocab_dim, embd_dim
+                 embd_dim: str = "embd", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.vocab_dim, self.embd_dim, self.dtype = vocab_dim, embd_dim, dtype
         self.embedding = _params.param(lambda k, s, d: jax.random.normal(k, s, d) * 0.02,
-                                       rngs.params(), {vocab_dim: num, embd_dim: features}, dtype)
+                                       rngs.params(), {vocab_dim: num, embd_dim: features},
+                                       param_dtype)
 
     def __call__(self, ids) -> nx.NamedArray:
         if not isinstance(ids, nx.NamedArray):
@@ -95,11 +122,15 @@ class Embedding(nnx.Module):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise nx.DimError(f"Embedding: ids have dtype {ids.dtype}; pass integer token ids.")
         table = self.embedding[...]
-        return nx.NamedArray(jnp.take(table, ids.values, axis=0), ids.dims + (self.embd_dim,))
+        rows = jnp.take(table, ids.values, axis=0)    # gather, then cast only the rows
+        rows = cast(rows, compute_dtype(self.dtype, table))
+        return nx.NamedArray(rows, ids.dims + (self.embd_dim,))
 
     def attend(self, x: nx.NamedArray) -> nx.NamedArray:
         check_input("Embedding.attend", x, {self.embd_dim: self.embedding[...].shape[1]})
-        return nx.dot(x, named(self.embedding), dim=self.embd_dim)
+        table = named(self.embedding)
+        dt = compute_dtype(self.dtype, x, table)
+        return nx.dot(cast(x, dt), cast(table, dt), dim=self.embd_dim)
 
 
 def _moments_dims(op, sizes, eps):
@@ -107,42 +138,60 @@ def _moments_dims(op, sizes, eps):
     return sizes, float(eps)
 
 
+def _stats_dtype(x):
+    # mean and variance in at least float32: a bfloat16 sum of squares over
+    # a few thousand entries loses most of its bits
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 class LayerNorm(nnx.Module):
     """Normalize over the named dims `sizes` (mean and variance over them),
     then scale and shift with parameters of those dims."""
 
     def __init__(self, sizes: dict, *, eps: float = 1e-6, use_bias: bool = True,
-                 use_scale: bool = True, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+                 use_scale: bool = True, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
         self.sizes, self.eps = _moments_dims("LayerNorm", sizes, eps)
-        self.scale = _params.param(_params.ones_init, None, self.sizes, dtype) if use_scale else None
-        self.bias = _params.param(_params.zeros_init, None, self.sizes, dtype) if use_bias else None
+        self.dtype = dtype
+        self.scale = (_params.param(_params.ones_init, None, self.sizes, param_dtype)
+                      if use_scale else None)
+        self.bias = (_params.param(_params.zeros_init, None, self.sizes, param_dtype)
+                     if use_bias else None)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         check_input("LayerNorm", x, self.sizes)
         dims = tuple(self.sizes)
-        mean = x.mean(dim=dims)
-        xc = x - mean
+        scale = None if self.scale is None else named(self.scale)
+        bias = None if self.bias is None else named(self.bias)
+        out = compute_dtype(self.dtype, x, scale, bias)
+        xf = cast(x, _stats_dtype(x))
+        mean = xf.mean(dim=dims)
+        xc = xf - mean
         var = nx.square(xc).mean(dim=dims)
-        y = xc * nx.rsqrt(var + self.eps)
-        if self.scale is not None:
-            y = y * named(self.scale)
-        if self.bias is not None:
-            y = y + named(self.bias)
+        y = cast(xc * nx.rsqrt(var + self.eps), out)
+        if scale is not None:
+            y = y * cast(scale, out)
+        if bias is not None:
+            y = y + cast(bias, out)
         return y.transpose(*x.dims)
 
 
 class RMSNorm(nnx.Module):
     """x / sqrt(mean(x^2) + eps) over the named dims, times a learned scale."""
 
-    def __init__(self, sizes: dict, *, eps: float = 1e-6, dtype=jnp.float32,
+    def __init__(self, sizes: dict, *, eps: float = 1e-6, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs | None = None):
         self.sizes, self.eps = _moments_dims("RMSNorm", sizes, eps)
-        self.scale = _params.param(_params.ones_init, None, self.sizes, dtype)
+        self.dtype = dtype
+        self.scale = _params.param(_params.ones_init, None, self.sizes, param_dtype)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         check_input("RMSNorm", x, self.sizes)
-        ms = nx.square(x).mean(dim=tuple(self.sizes))
-        return (x * nx.rsqrt(ms + self.eps) * named(self.scale)).transpose(*x.dims)
+        scale = named(self.scale)
+        out = compute_dtype(self.dtype, x, scale)
+        xf = cast(x, _stats_dtype(x))
+        ms = nx.square(xf).mean(dim=tuple(self.sizes))
+        return (cast(xf * nx.rsqrt(ms + self.eps), out) * cast(scale, out)).transpose(*x.dims)
 
 
 class Dropout(nnx.Module):
