@@ -1,0 +1,272 @@
+"""Sharding at scale: compile time against depth, and plan quality in what XLA emits.
+
+The library GPT's training step (value_and_grad of the next-token loss, then
+an AdamW update), 8 simulated CPU devices. Every point runs in a subprocess
+of its own (a fresh JAX: no cache shared between points), in interleaved
+order, and reports the median of `--repeat` processes.
+
+* `depth`: trace + passes + search + lower + compile seconds against layers
+  on a (2, 4) mesh, embd 128, 4 heads, seq 256, batch 64, three ways:
+  `jb.jit(step, mesh=)` (searched plan), `jb.jit(step)` without a mesh
+  (layers rolled into scan, one device), and `jax.jit` on inputs placed with
+  hand Megatron rules (unrolled). Targets: the mesh column at 32 layers
+  <= 1.5x its 4-layer figure, and <= the hand-rules column at every depth
+  >= 8.
+* `plans`: the collective bytes of the compiled HLO (per device, scan
+  bodies counted once per trip), per-device memory (measured by XLA against
+  the plan's prediction) and the SPMD partitioner's "involuntary full
+  rematerialization" warnings, for the searched plan and five hand rule
+  sets given through `rules=`, at 8 and 32 layers on (8,), (2, 4) and
+  (4, 2) meshes. Target: the searched plan moves no more bytes than the best
+  hand set; no warnings; predicted memory within 20% of measured.
+
+The hand rule sets, in this GPT's dim names (batch, time, embd, head, hd,
+mlp, vocab, pos); a rule names one mesh axis per dim for parameters and
+activations alike, and within one tensor an earlier dim keeps an axis a
+later one also asks for:
+
+* `dp`: batch on every axis; parameters replicated.
+* `fsdp`: batch and embd on every axis (parameters sharded, gathered per use).
+* `megatron`: batch on data; head, mlp and vocab on model.
+* `maxtext`: MaxText's default logical axis rules with its `fsdp` axis as
+  our `data` and `tensor` as `model`: batch and embd on data, head, mlp and
+  vocab on model (its separate activation-embed rule has no equivalent).
+* `levanter`: Levanter's default mapping (batch and parameter `embed` on
+  data) with its documented tensor-parallel axes (mlp, heads) on model.
+
+Run: `python benchmarks/sharded_scaling.py` (both sections; `--section depth`
+or `plans` for one, `--quick` for a smoke run that writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HAND_RULES = {
+    "dp": {"batch": ("data", "model")},
+    "fsdp": {"batch": ("data", "model"), "embd": ("data", "model")},
+    "megatron": {"batch": "data", "head": "model", "mlp": "model", "vocab": "model"},
+    "maxtext": {"batch": "data", "embd": "data", "head": "model", "mlp": "model",
+                "vocab": "model"},
+    "levanter": {"batch": "data", "embd": "data", "head": "model", "mlp": "model"},
+}
+WARNING = "Involuntary full rematerialization"
+
+
+def for_mesh(rules: dict, axes: tuple) -> dict:
+    """The rules on a mesh with these axis names (axes it lacks dropped)."""
+    out = {}
+    for dim, a in rules.items():
+        keep = tuple(x for x in ((a,) if isinstance(a, str) else a) if x in axes)
+        if keep:
+            out[dim] = keep[0] if len(keep) == 1 else keep
+    return out
+
+
+# --- one point, in its own process --------------------------------------------
+
+def _setup(layers: int, embd: int, heads: int, seq: int, batch: int):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layers=layers, embd=embd, heads=heads)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params, loss_fn = nn.functional(model, "loss")
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x = jax.random.randint(jax.random.key(1), (batch, seq), 0, 128, jnp.int32)
+    return model, params, tx, step, x, jnp.roll(x, -1, axis=1)
+
+
+def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: dict) -> dict:
+    import jax
+    from flax import nnx
+
+    import jaxbackend as jb
+    from jaxbackend import nn, sharding
+
+    model, params, tx, step, x, y = _setup(layers, **dims)
+    names = ("data", "model")[:len(mesh_shape)]
+    mesh = sharding.auto_mesh(mesh_shape, names)
+    out: dict = {}
+    t0 = time.perf_counter()
+    if kind == "rolled":        # one device, no mesh: the pass pipeline rolls the layers
+        opt_state = tx.init(params)
+        compiled = jb.jit(step).lower(params, opt_state, x, y).compile()
+    elif kind == "hand":        # plain jax.jit on inputs placed by the rules (unrolled)
+        rules = for_mesh(HAND_RULES[rules_name], names)
+        specs = nn.partition_specs(nnx.state(model, nnx.Param), rules)
+        leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        placed = jax.tree.unflatten(jax.tree.structure(params),
+                                    [jax.sharding.NamedSharding(mesh, s) for s in leaves])
+        params = jax.device_put(params, placed)
+        batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules.get("batch")))
+        x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+        opt_state = jax.jit(tx.init)(params)
+        t0 = time.perf_counter()   # placement is not compile time
+        compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
+    else:                       # jb.jit(mesh=): searched ("search") or given rules
+        opt_state = tx.init(params)
+        rules = None if rules_name == "search" else for_mesh(HAND_RULES[rules_name], names)
+        f = jb.jit(step, mesh=mesh, rules=rules)
+        compiled = f.lower(params, opt_state, x, y).compile()
+        plan = getattr(f, "plan", None)
+        if plan is not None:
+            out["rules"] = {k: v for k, v in plan.rules.items() if v}
+            out["predicted_memory"] = float(plan.cost["memory"])
+    out["seconds"] = time.perf_counter() - t0
+    text = compiled.as_text()
+    out["collectives"] = sharding.hlo_collectives(text)
+    out["memory"] = sharding.hlo_memory(compiled)["total"]
+    return out
+
+
+def _child(args) -> None:
+    res = run_point(args.kind, args.layers, tuple(args.mesh), args.rules, json.loads(args.dims))
+    print("RESULT " + json.dumps(res))
+
+
+def spawn(kind: str, layers: int, mesh_shape: tuple, rules: str, dims: dict) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, __file__, "--child", "--kind", kind, "--layers", str(layers),
+           "--rules", rules, "--dims", json.dumps(dims), "--mesh", *map(str, mesh_shape)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"{kind} {layers} layers {mesh_shape} {rules} failed:\n{p.stderr[-3000:]}")
+    res = json.loads(line[-1][len("RESULT "):])
+    res["warnings"] = p.stderr.count(WARNING)
+    return res
+
+
+# --- tables ------------------------------------------------------------------
+
+def depth_table(depths, repeat: int, dims: dict) -> tuple[list, dict]:
+    cols = [("searched", "search", (2, 4)), ("rolled", "search", (2, 4)),
+            ("hand", "megatron", (2, 4))]
+    runs = {(c, d): [] for c, _, _ in cols for d in depths}
+    for _ in range(repeat):            # interleaved: load hits every column alike
+        for d in depths:
+            for c, rules, mesh in cols:
+                runs[(c, d)].append(spawn(c, d, mesh, rules, dims)["seconds"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    rows = ["| layers | `jb.jit(mesh=)` searched (s) | `jb.jit` no mesh, rolled (s) | "
+            "`jax.jit` Megatron rules, unrolled (s) | searched / hand |", "|---|---|---|---|---|"]
+    for d in depths:
+        rows.append(f"| {d} | {med[('searched', d)]:.2f} | {med[('rolled', d)]:.2f} | "
+                    f"{med[('hand', d)]:.2f} | {med[('searched', d)] / med[('hand', d)]:.2f} |")
+    return rows, med
+
+
+def plans_table(depths, meshes, dims: dict) -> tuple[list, list]:
+    rows = ["| layers | mesh | rules | collective MiB | all-reduce | all-gather | other | "
+            "memory MiB (measured) | predicted / measured | remat warnings |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    found = []
+    for d in depths:
+        for mesh in meshes:
+            for name in ("search", *HAND_RULES):
+                r = spawn("searched", d, mesh, name, dims)
+                c = r["collectives"]
+                total = sum(v["bytes"] for v in c.values()) / 2 ** 20
+                other = sum(v["count"] for k, v in c.items() if k not in ("all-reduce", "all-gather"))
+                pred = r.get("predicted_memory")
+                ratio = f"{pred / r['memory']:.2f}" if pred else "-"
+                label = "searched: " + ", ".join(f"{k}->{v}" for k, v in sorted(r["rules"].items())) \
+                    if name == "search" else name
+                rows.append(f"| {d} | {mesh} | {label} | {total:.1f} | {c['all-reduce']['count']} | "
+                            f"{c['all-gather']['count']} | {other} | {r['memory'] / 2 ** 20:.1f} | "
+                            f"{ratio} | {r['warnings']} |")
+                found.append((d, mesh, name, total, r["warnings"], pred, r["memory"]))
+    return rows, found
+
+
+def verdicts(med, depths, found) -> list:
+    out = []
+    if med:
+        lo, hi = min(depths), max(depths)
+        r = med[("searched", hi)] / med[("searched", lo)]
+        out.append(f"- mesh column {hi} / {lo} layers = {r:.2f} (target <= 1.5): "
+                   f"{'MET' if r <= 1.5 else 'MISSED'}")
+        worst = max((med[("searched", d)] / med[("hand", d)] for d in depths if d >= 8), default=None)
+        if worst is not None:
+            out.append(f"- mesh column / hand rules, worst depth >= 8 = {worst:.2f} (target <= 1): "
+                       f"{'MET' if worst <= 1 else 'MISSED'}")
+    if found:
+        groups = {}
+        for d, mesh, name, total, warn, pred, meas in found:
+            groups.setdefault((d, mesh), {})[name] = (total, warn, pred, meas)
+        worse = [(k, g["search"][0], min(v[0] for n, v in g.items() if n != "search"))
+                 for k, g in groups.items()]
+        bad = [w for w in worse if w[1] > w[2] * 1.001]
+        out.append(f"- searched bytes <= best hand set: {len(worse) - len(bad)}/{len(worse)} cases "
+                   f"{'MET' if not bad else 'MISSED: ' + '; '.join(f'{k}: {a:.1f} vs {b:.1f} MiB' for k, a, b in bad)}")
+        warns = sum(g["search"][1] for g in groups.values())
+        out.append(f"- remat warnings of searched plans: {warns} (target 0): {'MET' if not warns else 'MISSED'}")
+        off = [abs(g["search"][2] / g["search"][3] - 1) for g in groups.values() if g["search"][2]]
+        if off:
+            out.append(f"- predicted vs measured memory, worst {max(off):.0%} (target <= 20%): "
+                       f"{'MET' if max(off) <= 0.2 else 'MISSED'}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--section", choices=["depth", "plans", "all"], default="all")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, no BENCHMARKS.md")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rules", help=argparse.SUPPRESS)
+    ap.add_argument("--dims", help=argparse.SUPPRESS)
+    ap.add_argument("--mesh", type=int, nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        _child(a)
+        return 0
+    dims = dict(embd=128, heads=4, seq=256, batch=64)
+    depths, plan_depths, meshes = [4, 8, 16, 32], [8, 32], [(8,), (2, 4), (4, 2)]
+    if a.quick:
+        dims = dict(embd=32, heads=4, seq=16, batch=8)
+        depths, plan_depths, meshes, a.repeat = [2, 4], [2], [(2, 4)], 1
+    body, med, found = [], {}, []
+    if a.section in ("depth", "all"):
+        rows, med = depth_table(depths, a.repeat, dims)
+        body += ["Compile seconds (trace + passes + search + lower + compile), (2, 4) mesh, "
+                 f"median of {a.repeat} processes:", "", *rows, ""]
+    if a.section in ("plans", "all"):
+        rows, found = plans_table(plan_depths, meshes, dims)
+        body += ["Plans, from the compiled HLO:", "", *rows, ""]
+    body += ["Targets:", *verdicts(med, depths, found)]
+    print("\n".join(body))
+    if not a.quick:
+        from benchmarks import _report
+        _report.write_section("sharded-scaling", "Sharding at scale: compile time vs depth, "
+                              "plans vs hand rules", "\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
