@@ -31,7 +31,6 @@ show the graph's distinct ops (`cm.sigs`) do not grow with depth.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import math
 import statistics
@@ -161,7 +160,7 @@ def case(cfg: Llama, shape, names, *, seq=SEQ, stacked=True, reference=True):
     # a fresh function each run: make_jaxpr caches traces by function
     closed, out_shape = jax.make_jaxpr(lambda *a: train_step(*a), return_shape=True)(*args)
     t1 = time.perf_counter()
-    graph = _graph.build(closed, _plan._dims_of(args), _plan._dims_of(out_shape))
+    graph = _graph.build(closed, _plan.dims_of(args), _plan.dims_of(out_shape))
     spec = sharding.MeshSpec.from_mesh(sharding.abstract_mesh(shape, names), "h100")
     cm = _cost.CostModel(graph, spec)
     t2 = time.perf_counter()
@@ -177,7 +176,7 @@ def case(cfg: Llama, shape, names, *, seq=SEQ, stacked=True, reference=True):
     t3 = time.perf_counter()
     out.update(search_s=t3 - t2, plan=plan, stats=stats)
     if reference:
-        out.update(zip(("dead_s", "dead_same"), without_dead_code(graph, spec, masks, plan.cost["time"])))
+        out.update(zip(("dead_s", "dead_same"), without_dead_code(graph, spec, masks, plan.cost.time)))
     keys, options = _search.search_space(cm)
     fits = math.prod(len(o) for o in options) <= _search.GRID_LIMIT
     if reference and fits and stats["method"] != "exhaustive":
@@ -192,11 +191,11 @@ def without_dead_code(graph, spec, masks, total: float):
     results never read, broadcasts of constants, which XLA fuses into their
     readers; whether the search picks the same plan without them)."""
     read = {v for op in graph.ops for v, _ in op.ins} | {v for v in graph.outvars if v is not None}
-    g = copy.copy(graph)
-    g.ops = [dataclasses.replace(op, mult=0) if all(v not in read for v, _ in op.outs)
-             or (op.kind == "map" and not op.ins) else op for op in graph.ops]
+    g = dataclasses.replace(graph, ops=tuple(
+        op._replace(mult=0) if all(v not in read for v, _ in op.outs)
+        or (op.kind == "map" and not op.ins) else op for op in graph.ops))
     cm = _cost.CostModel(g, spec)
-    return total - cm.evaluate(masks)["time"], _search.search(cm)[0] == masks
+    return total - cm.evaluate(masks).time, _search.search(cm)[0] == masks
 
 
 def _rules(rules: dict) -> str:
@@ -220,8 +219,8 @@ def row(cfg, shape, names, runs, stacked):
             if "dead_s" in r else "")
     return head + [
         f"{s['candidates']:.3g}",
-        f"{s['method'].replace('_', ' ')}, {'proven' if s['optimal'] else 'NOT proven'}", ref, f"{p.cost['time']:.2f} ({p.cost['communication']:.2f}{dead})",
-        f"{p.cost['memory'] / GB:.1f}", _rules(p.rules)], total
+        f"{s['method'].replace('_', ' ')}, {'proven' if s['optimal'] else 'NOT proven'}", ref, f"{p.cost.time:.2f} ({p.cost.communication:.2f}{dead})",
+        f"{p.cost.memory / GB:.1f}", _rules(p.rules)], total
 
 
 DM, DFM = ("data", "model"), ("data", "fsdp", "model")

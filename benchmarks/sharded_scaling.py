@@ -133,7 +133,7 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         plan = getattr(f, "plan", None)
         if plan is not None:
             out["rules"] = {k: v for k, v in plan.rules.items() if v}
-            out["predicted_memory"] = float(plan.cost["memory"])
+            out["predicted_memory"] = float(plan.cost.memory)
     out["seconds"] = time.perf_counter() - t0
     text = compiled.as_text()
     out["collectives"] = sharding.hlo_collectives(text)

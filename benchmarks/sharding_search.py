@@ -99,8 +99,8 @@ def main(argv=None) -> int:
                     n, f"{d} {MESHES[d]}", "scan" if stacked else "unrolled",
                     f"{med('graph_s'):.3f}", f"{med('search_s'):.3f}", f"**{med('total_s'):.3f}**",
                     r.get("candidates", "-"), f"{enum:.0f}" if enum else "-",
-                    (f"{r['plan'].cost['time'] * 1e3:.1f}" if "plan" in r else "-"),
-                    (f"{r['plan'].cost['memory'] / 2**30:.1f}" if "plan" in r else "-"),
+                    (f"{r['plan'].cost.time * 1e3:.1f}" if "plan" in r else "-"),
+                    (f"{r['plan'].cost.memory / 2**30:.1f}" if "plan" in r else "-"),
                     (_rules(r["plan"].rules) if "plan" in r else f"no plan fits: {r['error']}")])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
     headers = ["layers", "devices (data, model)", "layers as", "trace + graph + model (s)", "search (s)",

@@ -41,7 +41,7 @@ def main(tiny: bool) -> None:
     print("pipeline preserves numerics:", check)
 
     mesh = sharding.auto_mesh((2, 4), ("data", "model"))
-    plan = sharding.search(grad, params, tokens, targets, mesh=mesh)
+    plan = sharding.plan(grad, params, tokens, targets, mesh=mesh)
     print(plan.table())
     specs = nn.partition_specs(pstate, plan)
     print("mlp up kernel ->", specs["blocks"][0]["mlp"]["up"]["kernel"])

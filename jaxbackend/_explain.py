@@ -37,6 +37,8 @@ def load_target(spec: str):
         raise ExplainError(f"script {path!r} does not exist; give a path to a .py file.")
     sys.path.insert(0, str(file.resolve().parent))
     mod_spec = importlib.util.spec_from_file_location(f"_explain_{file.stem}", file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ExplainError(f"script {path!r} cannot be loaded as a module; give a .py file.")
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
@@ -68,7 +70,7 @@ def explain(fn, args, passes=None, *, show_jaxpr=False) -> str:
     before, after = _primitive_counts(t.before), _primitive_counts(t.after)
     changed = sorted(k for k in before.keys() | after.keys() if before[k] != after[k])
     lines = [f"explain {getattr(fn, '__name__', fn)}: {len(t.before.jaxpr.invars)} inputs, "
-             f"{sum(before.values())} -> {sum(after.values())} equations", "", str(t.report), "",
+             f"{sum(before.values())} -> {sum(after.values())} equations", "", str(t), "",
              "primitive counts that changed (before -> after):"]
     lines += [f"  {k:<20} {before[k]:>5} -> {after[k]:<5}" for k in changed] or ["  (none)"]
     if show_jaxpr:

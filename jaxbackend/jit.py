@@ -1,4 +1,4 @@
-"""`jaxbackend.jit`: trace, run the pass pipeline, compile with XLA.
+"""`jaxbackend.jit`: trace, run the pass pipeline, plan shardings, compile.
 
 The one module that knows every stage. Design, chosen for dispatch cost:
 
@@ -6,21 +6,24 @@ The one module that knows every stage. Design, chosen for dispatch cost:
         jaxpr  = make_jaxpr(fn) on the abstract args   (names still in it)
         jaxpr  = run_pipeline(jaxpr, passes)           (passes.*)
         jaxpr  = transform(jaxpr)                       (hook, see below)
-        return eval_jaxpr(jaxpr, *args)                 (binds into jax.jit's trace)
+        plan   = plan_jaxpr(jaxpr, mesh, rules)         (only with mesh=)
+        return eval_jaxpr(jaxpr, *args)                 (binds into jax.jit's trace;
+                                                         with a plan, constrained)
 
 JAX's own `jax.jit` object does the caching and the dispatch, so a warm call
 takes JAX's C++ fast path with no Python cache key of ours: `jb.jit` returns
-that very `jax.jit` function object, with our extras (`trace_passes`,
-`passes`, `trace_count`, `last_report`) set as instance attributes whose
-names JAX's jit object does not use: JAX calls its own `.trace`, `.lower`
-and `.eval_shape` (from `jax.make_jaxpr`, `jax.eval_shape`, an outer
-`jax.jit`), so shadowing one breaks those. (A wrapper class whose
-`__call__` is the jit function measured ~3% slower: CPython's tp_call slot
-drops vectorcall.) Same shapes/dtypes/static args never retrace; new ones
-trace and compile once. `.lower(*args)` is jax's `Lowered` of the rewritten
-program (`.compile()`, `.as_text()`, `.cost_analysis()`);
-`.trace_passes(*args)` runs the pipeline again outside jit and returns a
-`PipelineTrace` (jaxpr before/after every pass and the one-screen report).
+that very `jax.jit` function object, with or without a mesh, with our
+extras set as instance attributes whose names JAX's jit object does not
+use: JAX calls its own `.trace`, `.lower` and `.eval_shape` (from
+`jax.make_jaxpr`, `jax.eval_shape`, an outer `jax.jit`), so shadowing one
+breaks those. (A wrapper class whose `__call__` is the jit function
+measured ~3% slower: CPython's tp_call slot drops vectorcall.) The extras:
+`trace_passes(*args)` (the pipeline run again outside jit, every jaxpr
+kept: a `passes.Report`), `passes` (the pass names run), `trace_count`
+(times fn was traced for XLA), `last_report` (the Report of the latest
+trace), `plan` (the sharding Plan of the latest trace; None without a
+mesh). Same shapes/dtypes/static args never retrace; new ones trace and
+compile once. `.lower(*args)` is jax's `Lowered` of the rewritten program.
 
 Like `jax.jit`: static arguments are completed from fn's signature as
 jax.jit completes them (a negative `static_argnums` resolves per call,
@@ -35,24 +38,32 @@ derivative calls are kept by `inline`, so their rules still apply);
 `jb.jit(jax.grad(f))` runs the passes on the AD jaxpr, named backward
 einsums included.
 
-Sharding: `jit(..., in_shardings=, out_shardings=)` pass through to
-`jax.jit`; `jit(..., mesh=, rules=)` hands the program to
-`sharding.sharded_jit`, which computes both from a searched (or given) plan
-and constrains the named contractions. `_transform=fn` (ClosedJaxpr ->
-ClosedJaxpr, run after the pipeline) is an internal hook for any other
-rewrite.
+Sharding: without a mesh, `in_shardings=`/`out_shardings=` pass through to
+`jax.jit`. With `mesh=` (Auto axes), the trace also plans: the sharding
+search (or `rules=`, a dict or a Plan) runs on the jaxpr after the passes,
+once per static values and argument types (the plan cache is JAX's trace
+cache, plus ours keyed the same way), and the program is evaluated with a
+sharding constraint on every input, every output and every top-level
+contraction, so XLA lays out arguments, results and contractions as the
+plan says. `static_argnums`, `static_argnames`, `donate_argnums` mean what
+they mean for jax.jit (a training step donates its params and optimizer
+state; donation frees arrays already placed with the plan's shardings,
+`f.plan.shardings(args)`). `in_shardings=`/`out_shardings=` under a mesh
+must agree with the plan, checked at trace time: one line names the first
+leaf that differs. `_transform=fn` (ClosedJaxpr -> ClosedJaxpr, run after
+the pipeline) is an internal hook for any other rewrite.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import operator
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import numpy as np
 
 from jaxbackend import _jax
 from jaxbackend.passes import pipeline as _pipeline
@@ -88,9 +99,15 @@ def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
 
 
-def _trace_flat(fn, args, kwargs, static_argnums, static_argnames):
-    """ClosedJaxpr of fn over the flattened dynamic leaves of (args, kwargs),
-    the leaves themselves, and the output tree."""
+class _Traced(NamedTuple):
+    closed: Any       # ClosedJaxpr of fn over the flat dynamic leaves
+    leaves: list      # the flat dynamic leaves of (args, kwargs)
+    dynamic: tuple    # (dynamic positional args, dynamic kwargs): the tree of `leaves`
+    out_shape: Any    # fn's output tree, ShapeDtypeStruct leaves
+    static: tuple     # the static values, hashable: with the leaf types, the plan's key
+
+
+def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
     static, dynamic = _split_static(args, static_argnums)
     static_kw = {k: v for k, v in kwargs.items() if k in static_argnames}
     dyn_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
@@ -105,7 +122,8 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames):
         return out
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_spec, leaves))
-    return closed, leaves, jax.tree.structure(out_shape)
+    return _Traced(closed, leaves, (tuple(dynamic), dyn_kw), out_shape,
+                   (tuple(sorted(static.items())), tuple(sorted(static_kw.items()))))
 
 
 def _nnx_state(tree) -> list:
@@ -137,41 +155,16 @@ def _check_nnx_unchanged(fn, watched) -> None:
                 f"inside; jaxbackend.nn.functional does this for parameters).")
 
 
-@dataclasses.dataclass
-class PipelineTrace:
-    """The jaxpr before and after each pass, and the report."""
-
-    jaxprs: list          # [(pass name, ClosedJaxpr)], ("input", ...) first
-    report: Any           # passes.pipeline.Report
-
-    @property
-    def before(self):
-        return self.jaxprs[0][1]
-
-    @property
-    def after(self):
-        return self.jaxprs[-1][1]
-
-    def jaxpr_after(self, name: str):
-        for n, j in self.jaxprs:
-            if n == name:
-                return j
-        raise KeyError(f"no pass named {name!r} ran; passes: {[n for n, _ in self.jaxprs[1:]]}")
-
-    def __str__(self) -> str:
-        return str(self.report)
-
-
 def _make_trace_passes(fn, passes, static_argnums, static_argnames, transform):
-    def trace_passes(*args, **kwargs) -> PipelineTrace:
+    def trace_passes(*args, **kwargs) -> _pipeline.Report:
         """Run the pipeline on fn's jaxpr for these args, keeping every stage."""
-        closed, _, _ = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
+        closed = _trace_flat(fn, args, kwargs, static_argnums, static_argnames).closed
         closed, report = _pipeline.run_pipeline(closed, passes, keep_jaxprs=True,
                                                 label=getattr(fn, "__name__", "fn"))
         if transform is not None:
             closed = _pipeline.checked("_transform", transform, closed)
             report.jaxprs.append(("transform", closed))
-        return PipelineTrace(report.jaxprs, report)
+        return report
 
     return trace_passes
 
@@ -221,7 +214,7 @@ def _check_callable(fn) -> None:
 def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
         static_argnames=None, donate_argnums=None, in_shardings=_UNSPECIFIED,
         out_shardings=_UNSPECIFIED, reroll: bool | int = True, mesh=None, rules=None,
-        memory_budget=None, _transform: Callable | None = None, **jax_jit_kwargs):
+        memory_budget=None, profile=None, _transform: Callable | None = None, **jax_jit_kwargs):
     """Like `jax.jit(fn)`, with jaxbackend's passes run on the traced jaxpr.
 
     passes: pass names and/or callables (ClosedJaxpr -> ClosedJaxpr); None
@@ -232,37 +225,52 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     depth) from `passes.REROLL_MIN_REPEATS` repeats; an integer >= 2
     changes that minimum, False switches the pass off.
 
-    mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). The sharding search
-    picks dim-name rules for it (or `rules=` gives them), and the program
-    compiles with the plan's input/output shardings and a sharding
-    constraint on every named contraction (layers are not rolled into
-    `scan` under a mesh); `fn.plan` is the latest plan.
+    mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). Each trace plans the
+    program: the sharding search under `memory_budget` (bytes per device)
+    and `profile` ("cpu", "h100", "h200" or a HardwareProfile) picks dim-
+    name rules, or `rules=` (a dict or a Plan) gives them; the program runs
+    with the plan's layouts pinned on inputs, outputs and every named
+    contraction. `inline` and `reroll` do not run under a mesh (`_mesh_passes`).
 
-    The result is JAX's jit object; `.trace_passes(*args)` adds the jaxpr
-    before and after each pass (`PipelineTrace`).
+    The result is JAX's jit object, with `.trace_passes(*args)`, `.passes`,
+    `.trace_count`, `.last_report` and `.plan` added (module docstring).
     """
     _check_callable(fn)
     passes = _pipeline.configure(passes, reroll=reroll)
-    if mesh is not None:
-        return _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
-                        donate_argnums, in_shardings, out_shardings, _transform, jax_jit_kwargs)
-    if rules is not None or memory_budget is not None:
-        raise ValueError("jb.jit: rules= and memory_budget= describe a sharding plan and need "
-                         "mesh=; pass mesh=jax.sharding.Mesh(...) too.")
+    if mesh is None:
+        extra = [n for n, v in [("rules", rules), ("memory_budget", memory_budget),
+                                ("profile", profile)] if v is not None]
+        if extra:
+            raise ValueError(f"jb.jit: the sharding arguments {', '.join(n + '=' for n in extra)} "
+                             f"need mesh=; pass mesh=jax.sharding.Mesh(...) too.")
+    else:
+        from jaxbackend.sharding._mesh import check_auto_axes  # loaded only when used
+
+        check_auto_axes(mesh)
+        passes = _mesh_passes(passes)
+    names = tuple(n for n, _ in _pipeline.resolve(passes))  # fail early on unknown pass names
     static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
-    _pipeline.resolve(passes)  # fail early on unknown pass names
+    label = getattr(fn, "__name__", "fn")
+    planner = None if mesh is None else _Planner(mesh, rules, memory_budget, profile,
+                                                 in_shardings, out_shardings)
     holder: list = []
 
     @functools.wraps(fn)  # jax.jit reads fn's name and signature through this
     def body(*args, **kwargs):
-        closed, leaves, out_tree = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
-        closed, report = _pipeline.run_pipeline(closed, passes, label=getattr(fn, "__name__", "fn"))
+        t = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
+        closed, report = _pipeline.run_pipeline(t.closed, passes, label=label)
         if _transform is not None:
             closed = _pipeline.checked("_transform", _transform, closed)
+        plan = None if planner is None else planner(t._replace(closed=closed))
         if holder:
             holder[0].trace_count += 1
             holder[0].last_report = report
-        return jax.tree.unflatten(out_tree, _jax.eval_jaxpr(closed, *leaves))
+            holder[0].plan = plan
+        if plan is None:
+            outs = _jax.eval_jaxpr(closed, *t.leaves)
+        else:
+            outs = _run_planned(plan, t.leaves)
+        return jax.tree.unflatten(jax.tree.structure(t.out_shape), outs)
 
     kw = dict(jax_jit_kwargs, static_argnums=static_argnums, static_argnames=static_argnames,
               donate_argnums=donate_argnums)
@@ -270,51 +278,115 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
         kw["in_shardings"] = in_shardings
     if out_shardings is not _UNSPECIFIED:
         kw["out_shardings"] = out_shardings
-    jitted = jax.jit(body, **kw)
+    jitted: Any = jax.jit(body, **kw)
     # Return jax's own jit function object, so a call *is* a jax.jit call
     # (C++ fast path, measured equal in benchmarks/dispatch.py). Our extras
     # are instance attributes with names of our own: JAX calls its `trace`,
     # `lower` and `eval_shape` itself (make_jaxpr, eval_shape, nested jit).
     jitted.trace_passes = _make_trace_passes(fn, passes, static_argnums, static_argnames,
                                              _transform)
-    jitted.passes = passes
+    jitted.passes = names
     jitted.trace_count = 0      # times fn was traced for XLA (cache misses)
     jitted.last_report = None   # passes.Report of the most recent trace
+    jitted.plan = None          # sharding.Plan of the most recent trace (mesh= only)
     holder.append(jitted)
     return jitted
 
 
-def _sharded(fn, passes, mesh, rules, memory_budget, static_argnums, static_argnames,
-             donate_argnums, in_shardings, out_shardings, transform, jax_jit_kwargs):
-    """`jb.jit(fn, mesh=...)`: the search plans the jaxpr after every pass but
-    `inline` (so it reads dim names; the named einsums lower by themselves)
-    and `reroll`: the plan's sharding constraints go on top-level
-    contractions, which a `scan` body would hide. Under a mesh, layers stay
-    unrolled for now: rolling after planning, with the constraints moved into
-    the scan bodies, compiled slower under SPMD (measured on a (2, 4) CPU
-    mesh: 10.2 s vs 7.7 s for the issue-4 transformer at 8 layers, 5.7 s vs
-    1.5 s for the named attention stack at 16), and rolling after the
-    planning passes finds fewer runs (`cse` and `hoist_broadcast` change the
-    layers' periodicity), so it waits for planning on the rolled program."""
-    given = [name for name, v in [("static_argnums", static_argnums),
-                                  ("static_argnames", static_argnames),
-                                  ("donate_argnums", donate_argnums),
-                                  ("in_shardings", in_shardings is not _UNSPECIFIED),
-                                  ("out_shardings", out_shardings is not _UNSPECIFIED),
-                                  *jax_jit_kwargs.items()] if v]
-    if given:
-        raise ValueError(
-            f"jb.jit(mesh=...) does not take {', '.join(given)}: the plan sets the shardings; "
-            f"close over static values with functools.partial, or drop mesh= to use them.")
-    from jaxbackend import sharding  # the sharding stage is only loaded when used
+def _mesh_passes(passes) -> tuple:
+    """The passes run under a mesh: all but `inline` and `reroll`. The search
+    plans the jaxpr after them, so it reads dim names (the named einsums
+    lower by themselves), and the plan's constraints go on top-level
+    contractions, which a `scan` body would hide. Layers stay unrolled for
+    now: rolling after planning, with the constraints moved into the scan
+    bodies, compiled slower under SPMD (measured on a (2, 4) CPU mesh: 10.2 s
+    vs 7.7 s for the 8-layer transformer, 5.7 s vs 1.5 s for the named
+    attention stack at 16), and rolling after the planning passes finds
+    fewer runs (`cse` and `hoist_broadcast` change the layers' periodicity),
+    so it waits for planning on the rolled program."""
+    return tuple(f for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll"))
 
-    chosen = [f for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll")]
 
-    def planned_passes(closed):
-        closed, _ = _pipeline.run_pipeline(closed, chosen, label=getattr(fn, "__name__", "fn"))
-        return _pipeline.checked("_transform", transform, closed) if transform else closed
+class _Planner:
+    """Plans per (static values, argument types); checks given in/out
+    shardings against each plan."""
 
-    out = sharding.sharded_jit(fn, mesh=mesh, rules=rules, memory_budget=memory_budget,
-                               transform=planned_passes)
-    out.passes = tuple(n for n, _ in _pipeline.resolve(chosen))
-    return out
+    def __init__(self, mesh, rules, memory_budget, profile, in_shardings, out_shardings):
+        self.mesh, self.rules, self.budget, self.profile = mesh, rules, memory_budget, profile
+        self.in_shardings, self.out_shardings = in_shardings, out_shardings
+        self.cache: dict = {}
+
+    def __call__(self, t: _Traced):
+        from jaxbackend.sharding import _plan
+
+        key = (t.static, jax.tree.structure(t.dynamic), tuple(map(_spec, t.leaves)))
+        plan = self.cache.get(key)
+        if plan is None:
+            plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),
+                                    jax.tree.structure(t.dynamic), jax.tree.structure(t.out_shape),
+                                    mesh=self.mesh, rules=self.rules,
+                                    memory_budget=self.budget, profile=self.profile)
+            self.cache[key] = plan
+        if self.in_shardings is not _UNSPECIFIED:
+            _check_agrees("in_shardings", "argument", self.in_shardings, t.dynamic[0],
+                          plan.in_specs()[:len(jax.tree.leaves(t.dynamic[0]))], plan)
+        if self.out_shardings is not _UNSPECIFIED:
+            _check_agrees("out_shardings", "output", self.out_shardings, t.out_shape,
+                          plan.out_specs(), plan)
+        return plan
+
+
+def _check_agrees(arg, what, given, tree, specs, plan) -> None:
+    """Each leaf's sharding in `given` (a prefix of `tree`) is the plan's."""
+    is_sharding = lambda x: x is None or isinstance(x, (jax.sharding.Sharding,  # noqa: E731
+                                                        jax.sharding.PartitionSpec))
+    given = jax.tree.leaves(jax.tree.broadcast(given, tree, is_leaf=is_sharding),
+                            is_leaf=is_sharding)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
+    for path, shape, g, spec in zip(paths, shapes, given, specs):
+        if g is None:
+            continue
+        want = plan.sharding(spec)
+        if isinstance(g, jax.sharding.PartitionSpec):
+            g = jax.sharding.NamedSharding(plan.mesh.mesh, g)
+        if not g.is_equivalent_to(want, len(shape)):
+            raise ValueError(
+                f"jb.jit(mesh=...): {arg} lays out {what} {path or '0'} as "
+                f"{getattr(g, 'spec', g)}, but the plan lays it out as {spec} (rules "
+                f"{plan.rules}); drop {arg} (the plan sets it) or pass rules= that give this "
+                f"layout.")
+
+
+def _run_planned(plan, leaves) -> list:
+    """Evaluate the plan's program on `leaves` with its layouts pinned: a
+    sharding constraint on every input, every output and every top-level
+    contraction (XLA's propagation fills in the rest)."""
+    closed, wsc = plan.closed, jax.lax.with_sharding_constraint
+    cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
+
+    def hook(eqn, outs):
+        s = cons.get(eqn)
+        return outs if s is None else [wsc(outs[0], s)]
+
+    ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
+    outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook)
+    return [wsc(y, plan.sharding(s)) for y, s in zip(outs, plan.out_specs())]
+
+
+def _compile_plan(plan):
+    """`jax.jit` of the plan's own program with its layouts, taking the
+    argument structure it was planned for (`Plan.jit`, until its callers
+    use `jit(fn, mesh=..., rules=plan)`)."""
+    from jaxbackend.sharding._mesh import check_auto_axes
+
+    check_auto_axes(plan.mesh.mesh)
+
+    def run(*args):
+        leaves, tree = jax.tree.flatten(args)
+        if tree != plan.in_tree:
+            raise ValueError(f"sharded function: arguments have structure {tree}, but the plan "
+                             f"was made for {plan.in_tree}; plan again for these arguments.")
+        return jax.tree.unflatten(plan.out_tree, _run_planned(plan, leaves))
+
+    return jax.jit(run)

@@ -165,9 +165,11 @@ def test_jit_with_mesh_matches_single_device(rules):
 def test_jit_sharding_arguments_need_mesh():
     with pytest.raises(ValueError, match="need mesh="):
         jb.jit(lambda x: x, rules={"batch": "data"})
-    mesh, vg, _ = _mesh_setup()
-    with pytest.raises(ValueError, match="does not take static_argnums"):
-        jb.jit(vg, mesh=mesh, static_argnums=(0,))
+    mesh, vg, args = _mesh_setup()
+    # under a mesh the plan sets the layouts: a given one must agree with it
+    bad = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
+    with pytest.raises(ValueError, match="in_shardings lays out argument"):
+        jb.jit(vg, mesh=mesh, rules={"batch": "data"}, in_shardings=bad)(*args)
 
 
 def _scan_count(closed) -> int:
@@ -218,9 +220,12 @@ def test_jit_with_mesh_keeps_layers_unrolled_so_every_contraction_is_constrained
     vg = jax.value_and_grad(lambda x, L: A.named_attention_stack(x, L)[0], argnums=1)
     f = jb.jit(vg, mesh=mesh, rules={"batch": "data", "head": "model"})
     assert "reroll" not in f.passes
-    text = f.lower(*A.name_params(x, layers)).as_text()
-    # one constraint per contraction (forward and backward), none hidden in a loop
+    args = A.name_params(x, layers)
+    text = f.lower(*args).as_text()
+    # one constraint per contraction (forward and backward), none hidden in a
+    # loop, plus one per input and output leaf (the plan's layouts)
+    n_io = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
     assert "while" not in text
-    assert text.count("sdy.sharding_constraint") == text.count("dot_general") > 5 * 6
+    assert text.count("sdy.sharding_constraint") - n_io == text.count("dot_general") > 5 * 6
     with pytest.raises(ValueError, match="btach"):
         jb.jit(vg, mesh=mesh, rules={"btach": "data"})(*A.name_params(x, layers))

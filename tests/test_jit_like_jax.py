@@ -247,7 +247,7 @@ def test_mesh_with_explicit_axes_is_refused_up_front(types, bad):
     assert "axis_types=(jax.sharding.AxisType.Auto,) * 2" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="are not Auto"):
-        jb.sharding.sharded_jit(_f, mesh=mesh)
+        jb.jit(_f, mesh=mesh, rules={})
 
 
 # -- 8. Flax NNX state updates are not silently dropped --------------------------------------

@@ -12,7 +12,8 @@ Because names live on the parameters, a sharding plan stated as rules
 (`flax_logical_axis_rules` + `annotate_logical_axes`, after which
 `with nnx.logical_axis_rules(rules): nnx.get_partition_spec(state)` gives the
 same specs). Rules may be a dict, a sequence of pairs, or any object with a
-`.rules` attribute holding either (such as a sharding search's plan).
+`.rules` attribute holding either (such as a sharding search's plan); what
+rules mean is `jaxbackend.sharding._axis_rules`, shared with the planner.
 
 Leaves alone: variables without `dims` metadata (RNG state, Dropout's
 counters) map to replicated specs.
@@ -29,7 +30,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import named as nx
-from jaxbackend.sharding._mesh import spec_for_dims
+from jaxbackend.sharding import _axis_rules
+from jaxbackend.sharding._axis_rules import spec_for_dims
+
+# train/_loop.py reads rules through this name; it moves to
+# `jaxbackend.sharding.normalize_rules`, then this alias goes.
+normalize_rules = _axis_rules.normalize
 
 
 def param(init, key, sizes: dict, dtype=jnp.float32) -> nnx.Param:
@@ -63,33 +69,6 @@ def named(p: nnx.Variable) -> nx.NamedArray:
 
 # -- rules -> shardings --------------------------------------------------------
 
-def normalize_rules(rules) -> dict:
-    """dict dim -> mesh axis (str), tuple of axes, or None (replicated)."""
-    if hasattr(rules, "rules"):
-        rules = rules.rules
-    if rules is None:
-        return {}
-    if isinstance(rules, dict):
-        items = list(rules.items())
-    else:
-        try:
-            items = [tuple(r) for r in rules]
-        except TypeError:
-            raise ValueError(f"sharding rules {rules!r} must be a dict of dim -> mesh axis or a "
-                             f"sequence of (dim, mesh axis) pairs.") from None
-    out = {}
-    for item in items:
-        if len(item) != 2 or not isinstance(item[0], str):
-            raise ValueError(f"sharding rule {item!r} must be a (dim name, mesh axis) pair.")
-        dim, axis = item
-        if isinstance(axis, list):
-            axis = tuple(axis)
-        if isinstance(axis, tuple) and len(axis) <= 1:  # () = replicated, ("x",) = "x"
-            axis = axis[0] if axis else None
-        out[dim] = axis
-    return out
-
-
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -107,7 +86,7 @@ def param_dims(tree):
 
 def partition_specs(tree, rules):
     """PartitionSpec per variable of a module (or its state) under `rules`."""
-    r = normalize_rules(rules)
+    r = _axis_rules.normalize(rules)
 
     def one(v):
         dims = v.get_metadata("dims", None) if _is_var(v) else None
@@ -127,20 +106,10 @@ def shardings(tree, rules, mesh):
 def check_divisible(tree, rules, mesh) -> None:
     """Raise `nx.DimError` naming the first parameter dim whose size does not
     divide by the mesh axes the rules put it on."""
-    r = normalize_rules(rules)
     leaves = jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
-    for path, v in leaves:
-        dims = v.get_metadata("dims", None) if _is_var(v) else None
-        if dims is None:
-            continue
-        for d, n, axis in zip(dims, v[...].shape, spec_for_dims(dims, r)):
-            axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-            k = math.prod(mesh.shape[a] for a in axes)
-            if n % k:
-                raise nx.DimError(
-                    f"dim {d!r} of parameter {jax.tree_util.keystr(path)} has size {n}, which "
-                    f"mesh axes {axes} of total size {k} do not divide; pick sizes that are "
-                    f"multiples of {k} or map {d!r} to a smaller mesh axis.")
+    named = [(f" of parameter {jax.tree_util.keystr(path)}", v.get_metadata("dims"), v[...].shape)
+             for path, v in leaves if _is_var(v) and v.get_metadata("dims", None) is not None]
+    _axis_rules.check_divisible(named, _axis_rules.normalize(rules), dict(mesh.shape))
 
 
 # -- Flax logical axis rules ------------------------------------------------------
@@ -153,7 +122,7 @@ def flax_logical_axis_rules(rules, module=None) -> tuple:
     then taken for a mesh axis), so pass `module` to add `(dim, None)` for
     every parameter dim the rules do not mention.
     """
-    r = normalize_rules(rules)
+    r = _axis_rules.normalize(rules)
     if module is not None:
         for dims in jax.tree.leaves(param_dims(module), is_leaf=lambda x: isinstance(x, tuple)):
             for d in dims or ():
@@ -188,7 +157,8 @@ def functional(model: nnx.Module, method: str = "loss"):
     mode is fixed then too: call `model.eval()` before `functional` for a
     deterministic `fn`.
     """
-    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, pstate, *others = nnx.split(model, nnx.Param, ...)
+    rest = others[0]   # every variable that is not a Param
 
     def fn(params, *args, key=None, **kwargs):
         state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in

@@ -96,7 +96,9 @@ class PassStat:
 
 @dataclasses.dataclass
 class Report:
-    """What each pass did; `str(report)` is the one-screen table."""
+    """What each pass did; `str(report)` is the one-screen table. With
+    `keep_jaxprs=True` (`jb.jit(f).trace_passes(...)`) it also holds the
+    jaxpr before and after every pass."""
 
     stats: list
     jaxprs: list | None = None  # [(name, ClosedJaxpr)], input first, when kept
@@ -104,6 +106,29 @@ class Report:
     @property
     def seconds(self) -> float:
         return sum(s.seconds for s in self.stats)
+
+    def _kept(self) -> list:
+        if self.jaxprs is None:
+            raise ValueError("this Report kept no jaxprs; run the pipeline with keep_jaxprs=True "
+                             "(or use jb.jit(f).trace_passes(*args)) to keep them.")
+        return self.jaxprs
+
+    @property
+    def before(self):
+        """The input jaxpr."""
+        return self._kept()[0][1]
+
+    @property
+    def after(self):
+        """The jaxpr after the last pass."""
+        return self._kept()[-1][1]
+
+    def jaxpr_after(self, name: str):
+        """The jaxpr after the pass called `name`."""
+        for n, j in self._kept():
+            if n == name:
+                return j
+        raise KeyError(f"no pass named {name!r} ran; passes: {[n for n, _ in self._kept()[1:]]}")
 
     def __str__(self) -> str:
         rows = [f"{'pass':<18} {'eqns before':>11} {'after':>7} {'ms':>8}  matches"]
@@ -165,7 +190,7 @@ def run_pipeline(closed, passes: Sequence | None = None, *, keep_jaxprs: bool = 
         label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
         (dump_dir / f"{label}.0.input.txt").write_text(str(closed))
     jaxprs = [("input", closed)] if keep_jaxprs else None
-    stats = []
+    stats: list[PassStat] = []
     # The passes allocate many small acyclic objects; with the collector on,
     # each generation-2 sweep walks the whole heap (JAX's included), which
     # made per-equation cost grow with program size. Collect afterwards.

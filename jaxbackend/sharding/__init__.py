@@ -6,17 +6,25 @@ Haliax axis mappings), searched exactly against a cost model of flops,
 alpha-beta collectives and per-device memory:
 
     mesh = sharding.auto_mesh((2, 4), ("data", "model"))
-    plan = sharding.search(step, params, tokens, targets, mesh=mesh)
+    plan = sharding.plan(step, params, tokens, targets, mesh=mesh)   # searched
     plan.rules; plan.cost; print(plan.table())
-    f = sharding.sharded_jit(step, mesh=mesh)          # search, then compile
-    f = sharding.sharded_jit(step, mesh=mesh, rules={"batch": "data"})
+    f = jb.jit(step, mesh=mesh)                        # plan at trace time, compile
+    f = jb.jit(step, mesh=mesh, rules={"batch": "data"})   # or given rules (or a plan)
 
-Stages: `_mesh` (MeshSpec, HardwareProfile) -> `_graph` + `_rules` (jaxpr
--> ops over dim classes, union-find through unnamed code) -> `_cost`
-(CostModel) -> `_search` (exact search) -> `_plan` (Plan, compile);
-`_hlo` reads back what XLA did, to check the model.
+Stages: `_mesh` (MeshSpec, HardwareProfile) -> `_graph` (jaxpr -> a frozen
+graph of ops over dim classes, union-find through unnamed code; the
+per-primitive dim rules of `_op_dims` register into its table) -> `_cost`
+(CostModel; `_liveness` for memory, `_ring` the collective formulas,
+`_breakdown` the Cost value) -> `_search` (exact search; `_tables`,
+`_bound`) -> `_plan` (Plan: data, no compiling); `_axis_rules` is what rules
+mean (normalise, PartitionSpecs, divisibility, masks); `_hlo` reads back
+what XLA did, with `_ring`'s formulas, to check the model.
+Compiling is `jaxbackend.jit` (`jb.jit(fn, mesh=...)`).
 """
 
+from jaxbackend.sharding._axis_rules import Rules as Rules
+from jaxbackend.sharding._axis_rules import normalize as normalize_rules
+from jaxbackend.sharding._axis_rules import spec_for_dims as spec_for_dims
 from jaxbackend.sharding._cost import CostModel as CostModel
 from jaxbackend.sharding._graph import build as build_graph
 from jaxbackend.sharding._hlo import collectives as hlo_collectives
@@ -30,11 +38,11 @@ from jaxbackend.sharding._mesh import (
     h100_profile as h100_profile,
     h200_profile as h200_profile,
 )
-from jaxbackend.sharding._plan import (
-    Plan as Plan,
-    plan_for as plan_for,
-    search as search,
-    sharded_jit as sharded_jit,
-    trace as trace,
-)
+from jaxbackend.sharding._plan import Plan as Plan
+from jaxbackend.sharding._plan import plan as plan
 from jaxbackend.sharding._search import NoPlanFits as NoPlanFits
+
+# Kept until their callers move to `plan` / `jb.jit(fn, mesh=)`, then removed.
+from jaxbackend.sharding._plan import plan_for as plan_for
+from jaxbackend.sharding._plan import search as search
+from jaxbackend.sharding._plan import sharded_jit as sharded_jit

@@ -28,29 +28,78 @@ Per op (evaluated once per distinct op, times its multiplicity):
   alternative to keeping operands in place must be >10% cheaper to win.
   Reductions always reduce in place (XLA never gathers a reduce's operand).
 
-Collectives use the alpha-beta ring formulas on the group's slowest link:
-all-reduce 2(n-1)/n S/B + 2(n-1)a, all-gather / reduce-scatter / all-to-all
-(n-1)/n S/B + (n-1)a, S the full (gathered / unreduced) buffer.
+Collectives use the alpha-beta ring formulas (`_ring`, shared with the HLO
+reader) on the group's slowest link, S the full (gathered / unreduced)
+buffer.
 
 Memory per device: arguments + results + the peak over program order of live
-intermediates that XLA materialises (outputs of contractions, reductions,
-and of elementwise ops read by a non-elementwise op or by more than one op;
-an elementwise result read by one elementwise op is assumed fused into it) + gathered copies (all gathered
-weights, which live from forward to backward, and the largest other one).
+intermediates that XLA materialises (`_liveness` says which, and when) +
+gathered copies (all gathered weights, which live from forward to backward,
+and the largest other one).
+
+`evaluate` gives one plan's `Cost` (a frozen dataclass, a `Collective` per
+kind); the search uses the vectorised `step_time` / `memory` and their
+terms.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from jaxbackend.sharding._breakdown import Collective, Cost
 from jaxbackend.sharding._graph import REPLICATED
+from jaxbackend.sharding._liveness import liveness
+from jaxbackend.sharding._ring import KINDS as KINDS
+from jaxbackend.sharding._ring import ring_time
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 PREFER_IN_PLACE = 0.9
-FUSE_MAX_USES = 1   # an elementwise result read by one elementwise op is fused into it
+
+
+class Operand(NamedTuple):
+    """An operand or result of a distinct op: its layout keys, its bytes,
+    and its axis map onto the op's iteration dims."""
+    keys: tuple
+    nbytes: int
+    amap: tuple
+
+
+class Sig(NamedTuple):
+    """A distinct op: an `_graph.Op` with variables replaced by their keys
+    and sizes, so repeated layers share one signature."""
+    kind: str
+    isizes: tuple
+    ikeys: tuple      # key per iteration dim
+    ins: tuple        # Operand per operand
+    outs: tuple       # Operand per result
+    reduced: tuple
+    flops: float
+
+
+class GatherGroup(NamedTuple):
+    """Variables gathered together: same layout keys, size and consumers
+    (`uses`: (distinct op, operand position) pairs)."""
+    keys: tuple
+    nbytes: int
+    uses: tuple
+    is_input: bool
+    mult: float       # times gathered per step (the least multiplicity of a consumer, summed)
+    n_vars: int       # variables in the group
+
+
+class _Detail(NamedTuple):
+    """One distinct op's terms under N plans (arrays), per collective kind."""
+    compute: object
+    time: dict        # kind -> seconds
+    nbytes: dict      # kind -> bytes moved per device
 
 
 class CostModel:
+    """The model of one `Graph` on one `MeshSpec` (see the module docstring):
+    its distinct ops (`sigs`: (Sig, multiplicity) pairs), gather groups and
+    memory events, set up once; plans are then evaluated in batches."""
+
     def __init__(self, graph, mesh):
         self.g, self.mesh = graph, mesh
         g = graph
@@ -62,10 +111,10 @@ class CostModel:
         for op in g.ops:
             if op.mult == 0:
                 continue
-            sig = (op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
-                   tuple((self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
-                   tuple((self.var_keys[v], g.nbytes(v), m) for v, m in op.outs),
-                   op.reduced, op.flops)
+            sig = Sig(op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
+                      tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
+                      tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.outs),
+                      op.reduced, op.flops)
             if sig in sigs:
                 sigs[sig][1] += op.mult
             else:
@@ -87,12 +136,14 @@ class CostModel:
             c = groups.setdefault(gk, [0.0, 0])
             c[0] += mult
             c[1] += 1
-        self.gather_groups = [(gk, m) for gk, (m, _) in groups.items()]
-        self.gather_counts = [n for _, n in groups.values()]
-        self._memory_setup()
+        self.gather_groups = [GatherGroup(*gk, m, n) for gk, (m, n) in groups.items()]
+        self.fixed_groups, self.mem_groups, self.mem_points = liveness(g, self.var_keys)
 
     # -- layouts ---------------------------------------------------------------
-    def _layout(self, keys, masks):
+    def layout(self, keys, masks) -> list:
+        """Mesh-axis mask per axis of a tensor whose axes have layout `keys`
+        under `masks` (per key): an axis loses the mesh axes an earlier axis
+        of the same tensor already uses."""
         used = 0
         out = []
         for k in keys:
@@ -100,6 +151,7 @@ class CostModel:
             used = used | m
             out.append(m)
         return out
+
 
     def _shard(self, mask_list):
         gs = self.mesh.group_size
@@ -112,23 +164,19 @@ class CostModel:
         """Time of one collective over the mesh group `mask` on a buffer of
         `full_bytes` per device (gathered / unreduced size)."""
         ms = self.mesh
-        n = ms.group_size[mask]
-        frac = (n - 1) / n
-        steps = n - 1
-        if kind == "all-reduce":
-            frac, steps = 2 * frac, 2 * steps
-        return frac * full_bytes / ms.group_bandwidth[mask] + steps * ms.group_latency[mask]
+        return ring_time(kind, ms.group_size[mask], full_bytes, ms.group_bandwidth[mask],
+                         ms.group_latency[mask])
 
     # -- one distinct op under N plans -------------------------------------------
     def op_cost(self, sig, masks, detail=False):
         """(time without operand gathers, details, per-operand gather masks).
         The iteration layout is chosen with the gathers counted."""
-        kind, isizes, ikeys, ins, outs, reduced, flops = sig
-        natural = list(range(len(isizes)))
+        kind = sig.kind
+        natural = list(range(len(sig.isizes)))
         orders = []
         if kind in ("contract", "reduce"):
-            for _, _, amap in ins[:1] if kind == "reduce" else ins:
-                first = [i for i in amap if i >= 0]
+            for operand in sig.ins[:1] if kind == "reduce" else sig.ins:
+                first = [i for i in operand.amap if i >= 0]
                 orders.append(first + [i for i in natural if i not in first])
         if kind != "reduce":
             orders.append(natural)
@@ -142,38 +190,43 @@ class CostModel:
             # then a reduction) unless moving them is clearly cheaper.
             better = t + tg < PREFER_IN_PLACE * (best[0] + best[1])
             best = (np.where(better, t, best[0]), np.where(better, tg, best[1]),
-                    {k: np.where(better, d[k], best[2][k]) for k in best[2]},
-                    [np.where(better, a, b) for a, b in zip(ex, best[3])])
+                    _pick(better, d, best[2]), [np.where(better, a, b) for a, b in zip(ex, best[3])])
         return best[0], best[2], best[3]
 
     def gather_cost(self, keys, nb, gmask, masks):
         """One all-gather of a tensor over the mesh axes `gmask`: (time, bytes)."""
         shard_after = 1.0
-        for m in self._layout(keys, masks):
+        for m in self.layout(keys, masks):
             shard_after = shard_after * self.mesh.group_size[m & ~gmask]
         full = nb / shard_after
         return self._coll("all-gather", gmask, full), np.where(gmask > 0, full, 0.0)
 
+    def _group_mask(self, group, extras):
+        """The mesh axes a gather group is gathered over (any consumer's)."""
+        gm = 0
+        for i, j in group.uses:
+            gm = gm | extras[i][j]
+        return gm
+
     def _gathers(self, extras, masks, detail):
+        """The operand all-gathers: (time, bytes, count; the last two only
+        with `detail`)."""
         t, b, n = 0.0, 0.0, 0.0
-        for (keys, nb, uses, _), mult in self.gather_groups:
-            gm = 0
-            for i, j in uses:
-                gm = gm | extras[i][j]
+        for grp in self.gather_groups:
+            gm = self._group_mask(grp, extras)
             if np.any(gm):
-                tt, bb = self.gather_cost(keys, nb, gm, masks)
-                t = t + mult * tt
+                tt, bb = self.gather_cost(grp.keys, grp.nbytes, gm, masks)
+                t = t + grp.mult * tt
                 if detail:
-                    b, n = b + mult * bb, n + mult * (bb > 0)
+                    b, n = b + grp.mult * bb, n + grp.mult * (bb > 0)
         return t, b, n
 
     def _strategy(self, sig, masks, order, detail):
-        kind, isizes, ikeys, ins, outs, reduced, flops = sig
         p = self.mesh.profile
-        imask = [0] * len(isizes)
+        imask = [0] * len(sig.isizes)
         used = 0
         for i in order:
-            m = masks[ikeys[i]] & ~used
+            m = masks[sig.ikeys[i]] & ~used
             used = used | m
             imask[i] = m
         # A scalar: each term then spans only the keys this op touches (the
@@ -184,24 +237,24 @@ class CostModel:
         t = t_in = zero
         io_bytes = 0.0
         extras = []
-        for keys, nb, amap in ins:   # operand resharding (charged per variable)
+        for keys, nb, amap in sig.ins:   # operand resharding (charged per variable)
             gather = 0
-            for a, m in enumerate(self._layout(keys, masks)):
+            for a, m in enumerate(self.layout(keys, masks)):
                 need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
                 gather = gather | (m & ~need)
             t_in = t_in + self.gather_cost(keys, nb, gather, masks)[0]
             extras.append(gather)
             io_bytes += nb
         ishard = self._shard(imask)
-        out_keys, out_nb, omap = outs[0]
+        out_keys, out_nb, omap = sig.outs[0]
         io_bytes += out_nb
-        want = self._layout(out_keys, masks)
+        want = self.layout(out_keys, masks)
         produced = [imask[i] for i in omap]
         partial = out_nb / self._shard(produced)
         red = 0
-        for i in reduced:
+        for i in sig.reduced:
             red = red | imask[i]
-        if kind in ("contract", "reduce"):
+        if sig.kind in ("contract", "reduce"):
             scatter = 0
             if p.reduce_scatter:
                 w_all = 0
@@ -228,75 +281,14 @@ class CostModel:
         full = out_nb / shard_after
         tg = self._coll("all-gather", gather, full)
         t = t + tg
-        compute = np.maximum(flops / p.peak_flops, io_bytes / p.mem_bandwidth) / ishard
+        compute = np.maximum(sig.flops / p.peak_flops, io_bytes / p.mem_bandwidth) / ishard
         if detail:
             comm["all-gather"] = comm["all-gather"] + tg
             nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
-            return t + compute, t_in, dict(compute=compute + zero, **{f"t:{k}": comm[k] for k in KINDS},
-                                           **{f"b:{k}": nbytes[k] for k in KINDS},
-                                           **{f"n:{k}": (nbytes[k] > 0) * 1.0 for k in KINDS}), extras
-        return t + compute, t_in, {}, extras
+            return t + compute, t_in, _Detail(compute + zero, comm, nbytes), extras
+        return t + compute, t_in, None, extras
 
     # -- memory --------------------------------------------------------------
-    def _memory_setup(self):
-        g = self.g
-        born = [-1] * len(g.shapes)
-        for i, op in enumerate(g.ops):
-            for v, _ in op.outs:
-                born[v] = i
-        fused = set()
-        consumers: dict = {}
-        for op in g.ops:
-            for v, _ in op.ins:
-                consumers.setdefault(v, []).append(op.kind)
-        outs = set(g.outvars)
-        for i, op in enumerate(g.ops):
-            for v, _ in op.outs:
-                # Dead values are removed by XLA; constants (broadcasts of
-                # literals, iota) are fused into their consumers.
-                if v not in outs and (v not in consumers or not op.ins):
-                    fused.add(v)
-            if op.kind == "map":
-                for v, _ in op.outs:
-                    if v not in g.pinned and (all(k == "map" for k in consumers.get(v, ["out"])) and v not in g.outvars
-                            and len(consumers.get(v, ())) <= FUSE_MAX_USES):
-                        fused.add(v)
-        groups: dict = {}
-        self.fixed_groups = []   # (keys, nbytes) of arguments and results
-        for v in set(g.invars) | {v for v in g.outvars if v is not None}:
-            self.fixed_groups.append((self.var_keys[v], g.nbytes(v)))
-        events = []
-        for v in range(len(g.shapes)):
-            if v in g.invars or v in g.outvars or born[v] < 0 or v in fused or not g.shapes[v]:
-                continue
-            end = max(g.uses[v], born[v])
-            gk = (self.var_keys[v], g.nbytes(v))
-            j = groups.setdefault(gk, len(groups))
-            events.append((born[v], 1, j))
-            events.append((end + 1, -1, j))
-        self.mem_groups = list(groups)
-        events.sort()
-        count = np.zeros(len(groups))
-        i = 0
-        pts = []
-        while i < len(events):   # live counts after each program point
-            t0 = events[i][0]
-            while i < len(events) and events[i][0] == t0:
-                count[events[i][2]] += events[i][1]
-                i += 1
-            pts.append(count.copy())
-        rows = np.array(pts) if pts else np.zeros((1, len(groups)))
-        # Keep only points not dominated by another (a peak is at one of
-        # them); checking against the kept rows only, largest first, keeps
-        # this near-linear (few rows survive).
-        rows = np.unique(rows, axis=0)
-        rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
-        keep = np.zeros((0, len(groups)))
-        for r in rows:
-            if not (keep >= r).all(axis=1).any():
-                keep = np.vstack([keep, r])
-        self.mem_points = keep if len(keep) else np.zeros((1, len(groups)))
-
     def extras(self, masks):
         """Per distinct op, per operand: the mesh axes it is gathered over."""
         return [self.op_cost(sig, masks)[2] for sig, _ in self.sigs]
@@ -307,18 +299,16 @@ class CostModel:
         temporary group, transient: per other gather group), where memory =
         sum(fixed) + sum(weights) + max over rows p of `mem_points[p] @ live`
         + max(transient, 0)."""
-        fixed = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.fixed_groups]
+        fixed = [nb / self._shard(self.layout(keys, masks)) for keys, nb in self.fixed_groups]
         weights, transient = [], []
-        for ((keys, nb, uses, is_input), _), count in zip(self.gather_groups, self.gather_counts):
-            gm = 0
-            for i, j in uses:
-                gm = gm | extras[i][j]
+        for grp in self.gather_groups:
+            gm = self._group_mask(grp, extras)
             if np.any(gm):
-                full = self.gather_cost(keys, nb, gm, masks)[1]
+                full = self.gather_cost(grp.keys, grp.nbytes, gm, masks)[1]
                 # gathered weights stay live from forward to backward (one
                 # gather serves both); other gathers are short-lived
-                (weights.append(count * full) if is_input else transient.append(full))
-        live = [nb / self._shard(self._layout(keys, masks)) for keys, nb in self.mem_groups]
+                (weights.append(grp.n_vars * full) if grp.is_input else transient.append(full))
+        live = [nb / self._shard(self.layout(keys, masks)) for keys, nb in self.mem_groups]
         return fixed, weights, live, transient
 
     def memory(self, masks, extras=None):
@@ -354,12 +344,10 @@ class CostModel:
             t, _, ex = self.op_cost(sig, masks)
             extras.append(ex)
             terms.append(mult * t)
-        for (keys, nb, uses, _), mult in self.gather_groups:
-            gm = 0
-            for i, j in uses:
-                gm = gm | extras[i][j]
+        for grp in self.gather_groups:
+            gm = self._group_mask(grp, extras)
             if np.any(gm):
-                terms.append(mult * self.gather_cost(keys, nb, gm, masks)[0])
+                terms.append(grp.mult * self.gather_cost(grp.keys, grp.nbytes, gm, masks)[0])
         return terms, extras
 
     def step_time(self, masks):
@@ -371,27 +359,37 @@ class CostModel:
             total = total + mult * t
         return total + self._gathers(extras, masks, False)[0], extras
 
-    def evaluate(self, masks):
-        """A full breakdown for one plan (`masks[k]` an int per key)."""
+    def evaluate(self, masks) -> Cost:
+        """The full breakdown of one plan (`masks[k]` an int per key)."""
         masks = [np.asarray(m) for m in masks]
-        total = 0.0
-        acc: dict = {}
+        total = compute = 0.0
+        times, nbytes, counts = ({k: 0.0 for k in KINDS} for _ in range(3))
         extras = []
         for sig, mult in self.sigs:
             t, d, ex = self.op_cost(sig, masks, detail=True)
             extras.append(ex)
             total = total + mult * t
-            for k, v in d.items():
-                acc[k] = acc.get(k, 0.0) + (mult * v)
+            compute = compute + mult * d.compute
+            for k in KINDS:
+                times[k] = times[k] + mult * d.time[k]
+                nbytes[k] = nbytes[k] + mult * d.nbytes[k]
+                counts[k] = counts[k] + mult * ((d.nbytes[k] > 0) * 1.0)
         tg, bg, ng = self._gathers(extras, masks, True)
         total = total + tg
-        for k, v in (("t:all-gather", tg), ("b:all-gather", bg), ("n:all-gather", ng)):
-            acc[k] = acc.get(k, 0.0) + v
+        k = "all-gather"
+        times[k], nbytes[k], counts[k] = times[k] + tg, nbytes[k] + bg, counts[k] + ng
         fixed, temp = self.memory(masks, extras)
-        out = {"time": float(total), "compute": float(acc.get("compute", 0.0)),
-               "memory": float(fixed + temp), "memory_fixed": float(fixed), "memory_temp": float(temp)}
-        for k in KINDS:
-            out[k] = {"time": float(acc.get(f"t:{k}", 0.0)), "bytes": float(acc.get(f"b:{k}", 0.0)),
-                      "count": float(acc.get(f"n:{k}", 0.0))}
-        out["communication"] = sum(out[k]["time"] for k in KINDS)
-        return out
+        colls = {k: Collective(float(times[k]), float(nbytes[k]), float(counts[k])) for k in KINDS}
+        return Cost(time=float(total), compute=float(compute),
+                    communication=sum(c.time for c in colls.values()),
+                    memory=float(fixed + temp), memory_fixed=float(fixed), memory_temp=float(temp),
+                    **{k.replace("-", "_"): c for k, c in colls.items()})
+
+
+def _pick(better, new, old):
+    """Per plan, `new`'s detail where `better`, else `old`'s (None: no detail)."""
+    if old is None:
+        return None
+    where = lambda a, b: {k: np.where(better, a[k], b[k]) for k in KINDS}  # noqa: E731
+    return _Detail(np.where(better, new.compute, old.compute), where(new.time, old.time),
+                   where(new.nbytes, old.nbytes))

@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 import re
 
+from jaxbackend.sharding._ring import KINDS, ring_time
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_KINDS = KINDS + ("collective-permute",)   # the model charges none; XLA may emit some
 _LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(_KINDS) + r")(-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 
@@ -89,8 +91,8 @@ def collectives(hlo_text: str) -> dict:
 
 def comm_time(hlo_text: str, mesh) -> float:
     """Seconds the compiled collectives take under `mesh`'s alpha-beta model
-    (the cost model's formulas applied to what XLA emitted). A group is
-    given the slowest link of the mesh-axis groups of its size."""
+    (`_ring`, the cost model's formulas, applied to what XLA emitted). A
+    group is given the slowest link of the mesh-axis groups of its size."""
     total = 0.0
     for kind, nbytes, n, runs in instructions(hlo_text):
         if n <= 1:
@@ -98,13 +100,8 @@ def comm_time(hlo_text: str, mesh) -> float:
         cands = [m for m in range(len(mesh.group_size)) if mesh.group_size[m] == n]
         bw = min((mesh.group_bandwidth[m] for m in cands), default=min(mesh.axis_bandwidth))
         lat = max((mesh.group_latency[m] for m in cands), default=max(mesh.axis_latency))
-        frac, steps = (n - 1) / n, n - 1
-        full = nbytes * (n if kind == "reduce-scatter" else 1)
-        if kind == "all-reduce":
-            frac, steps = 2 * frac, 2 * steps
-        elif kind == "collective-permute":
-            frac, steps = 1.0, 1
-        total += runs * (frac * full / bw + steps * lat)
+        full = nbytes * (n if kind == "reduce-scatter" else 1)   # the unreduced buffer
+        total += runs * ring_time(kind, n, full, bw, lat)
     return total
 
 

@@ -159,16 +159,17 @@ def abstract_mesh(shape, axis_names) -> jax.sharding.AbstractMesh:
                                      axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names))
 
 
-def spec_for_dims(dims, rules: dict) -> "jax.sharding.PartitionSpec":
-    """PartitionSpec of a tensor with these dim names under `rules` (dim ->
-    axis | tuple of axes | None). A mesh axis shards at most one dim of a
-    tensor: a later dim keeps only the axes an earlier dim left unused (the
-    per-tensor exception of a plan)."""
-    used, out = set(), []
-    for d in dims:
-        axes = rules.get(d)
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        keep = tuple(a for a in axes if a not in used)
-        used.update(keep)
-        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
-    return jax.sharding.PartitionSpec(*out)
+def check_auto_axes(mesh) -> None:
+    """A plan compiles with sharding constraints on its contractions, which
+    JAX takes only on Auto mesh axes; `jax.make_mesh` makes Explicit ones by
+    default (JAX 0.10), which fail deep inside JAX, so say so up front."""
+    types = tuple(getattr(mesh, "axis_types", ()))
+    bad = [n for n, t in zip(mesh.axis_names, types) if t != jax.sharding.AxisType.Auto]
+    if bad:
+        n = len(mesh.axis_names)
+        raise ValueError(
+            f"mesh axes ({', '.join(map(repr, bad))}) are not Auto (axis types "
+            f"{tuple(t.name for t in types)}), and a sharding plan needs Auto axes to constrain "
+            f"contractions; build it with jax.make_mesh(shape, names, "
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}) or jaxbackend.sharding.auto_mesh("
+            f"shape, names).")

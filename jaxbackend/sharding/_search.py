@@ -20,8 +20,8 @@ Methods, by size:
   partial plans or runs past `time_limit`; block coordinate descent over
   sub-grids when the tables would exceed `TABLE_LIMIT` entries.
 
-It leaves the graph and the model alone; `Plan` (plan.py) turns the chosen
-masks into rules, shardings and a compiled function.
+It leaves the graph and the model alone; `Plan` (`_plan`) turns the chosen
+masks into rules and shardings.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ def main(pid: int, port: int, out: str) -> None:
                                process_id=pid, initialization_timeout=60)
     from jax.experimental import multihost_utils
 
+    import jaxbackend as jb
     from jaxbackend import sharding
     from jaxbackend.models import _block as blk
 
@@ -29,12 +30,12 @@ def main(pid: int, port: int, out: str) -> None:
     args = (blk.name_block_params(params), *blk.name_block_batch(tokens, targets))
     step = blk.sgd_step(blk.named_block_loss)
     mesh = sharding.auto_mesh((2, 4), ("data", "model"), devices=jax.devices())
-    plan = sharding.search(step, *args, mesh=mesh)
+    plan = sharding.plan(step, *args, mesh=mesh)
     shardings = plan.shardings(args)
     global_args = jax.tree.map(
         lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx, x=np.asarray(x): x[idx]),
         args, shardings)
-    loss, new_params = plan.jit()(*global_args)
+    loss, new_params = jb.jit(step, mesh=mesh, rules=plan, passes=())(*global_args)
     gathered = multihost_utils.process_allgather(new_params, tiled=True)
     leaves = [np.asarray(loss.addressable_data(0))] + [np.asarray(x) for x in jax.tree.leaves(gathered)]
     if pid == 0:

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxbackend as jb
 from jaxbackend import sharding, testing
 from jaxbackend.sharding import _hlo
 from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
@@ -33,7 +34,7 @@ def _dominant(by_kind, total):
 def compiled(block, mesh24):
     rows = {}
     for name, rules in PLANS.items():   # rules=None: search
-        f = sharding.sharded_jit(block["step"], mesh=mesh24, rules=rules)
+        f = jb.jit(block["step"], mesh=mesh24, rules=rules, passes=())
         comp = f.lower(*block["args"]).compile()
         rows[name] = (f.plan, f, comp)
     return rows
@@ -43,7 +44,7 @@ def compiled(block, mesh24):
 def test_sharded_step_equals_single_device_on_2x4(block, compiled, name):
     plan, _, comp = compiled[name]
     # Run the very executable whose HLO the other tests read.
-    out = jax.tree.unflatten(plan.out_tree, comp(*jax.tree.leaves(block["args"])))
+    out = comp(*block["args"])
     testing.assert_close(out, block["reference"], scale=lambda: _scale(block),
                          what=f"{name} step")
 
@@ -52,10 +53,10 @@ def test_sharded_step_equals_single_device_on_2x4(block, compiled, name):
 def test_sharded_step_equals_single_device(block, shape):
     names = ("data",) if len(shape) == 1 else ("data", "model")
     mesh = sharding.auto_mesh(shape, names)
-    f = sharding.sharded_jit(block["step"], mesh=mesh)
+    f = jb.jit(block["step"], mesh=mesh, passes=())
     testing.assert_close(f(*block["args"]), block["reference"], scale=lambda: _scale(block),
                          what=f"step on mesh {shape}")
-    assert f.plan is not None and f.plan.cost["time"] > 0
+    assert f.plan is not None and f.plan.cost.time > 0
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -63,7 +64,7 @@ def test_predicted_collectives_match_compiled_hlo(compiled, name):
     plan, _, comp = compiled[name]
     hlo = _hlo.collectives(comp.as_text())
     hlo_bytes = {k: hlo[k]["bytes"] for k in hlo}
-    pred_bytes = {k: plan.cost[k]["bytes"] for k in KINDS}
+    pred_bytes = {k: plan.cost.collective(k).bytes for k in KINDS}
     h, p = sum(hlo_bytes.values()), sum(pred_bytes.values())
     print(f"\n{name}: HLO {hlo} predicted {pred_bytes}")
     assert p == pytest.approx(h, rel=0.25), (name, p, h)
@@ -76,8 +77,8 @@ def test_predicted_collectives_match_compiled_hlo(compiled, name):
 def test_predicted_memory_matches_memory_analysis(compiled, name):
     plan, _, comp = compiled[name]
     mem = _hlo.memory(comp)
-    print(f"\n{name}: memory_analysis {mem} predicted {plan.cost['memory']:.0f}")
-    assert plan.cost["memory"] == pytest.approx(mem["total"], rel=0.25)
+    print(f"\n{name}: memory_analysis {mem} predicted {plan.cost.memory:.0f}")
+    assert plan.cost.memory == pytest.approx(mem["total"], rel=0.25)
 
 
 def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
@@ -89,8 +90,8 @@ def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
         plan, _, comp = compiled[name]
         text = comp.as_text()
         hlo_bytes = sum(v["bytes"] for v in _hlo.collectives(text).values())
-        hlo_time = plan.cost["compute"] + _hlo.comm_time(text, plan.mesh)
-        rows.append((name, plan.cost["time"], hlo_time, hlo_bytes, plan.rules))
+        hlo_time = plan.cost.compute + _hlo.comm_time(text, plan.mesh)
+        rows.append((name, plan.cost.time, hlo_time, hlo_bytes, plan.rules))
     print("\n| plan | modelled step (ms) | with HLO collectives (ms) | HLO collective bytes | rules |")
     for r in rows:
         print(f"| {r[0]} | {r[1] * 1e3:.4f} | {r[2] * 1e3:.4f} | {r[3]} | {r[4]} |")
@@ -106,9 +107,9 @@ def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
 
     params, tokens, targets = block["jnp_args"]
     args = (blk.name_block_params(blk.stack_block_layers(params)), *blk.name_block_batch(tokens, targets))
-    f = sharding.sharded_jit(block["step"], mesh=mesh24)
+    f = jb.jit(block["step"], mesh=mesh24, passes=())
     comp = f.lower(*args).compile()
-    loss, new = jax.tree.unflatten(f.plan.out_tree, comp(*jax.tree.leaves(args)))
+    loss, new = comp(*args)
     ref_loss, ref_new = block["reference"]
     testing.assert_close(loss, ref_loss, scale=lambda: _scale(block)[0], what="scanned loss")
     for k, v in new["layers"].items():
@@ -117,6 +118,6 @@ def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
             [np.asarray(layer[k].values) for layer in _scale(block)[1]["layers"]]))
     hlo = _hlo.collectives(comp.as_text())
     h = sum(v["bytes"] for v in hlo.values())
-    p = sum(f.plan.cost[k]["bytes"] for k in KINDS)
+    p = sum(f.plan.cost.collective(k).bytes for k in KINDS)
     assert p == pytest.approx(h, rel=0.25)
-    assert f.plan.cost["memory"] == pytest.approx(_hlo.memory(comp)["total"], rel=0.25)
+    assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.25)

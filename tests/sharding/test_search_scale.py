@@ -166,7 +166,7 @@ def test_grid_over_the_old_limit_is_searched_exactly(over_limit):
 
 def test_public_search_over_the_old_limit_says_how_it_searched():
     step, args = _llama_tiny()
-    plan = sharding.search(step, *args, mesh=sharding.abstract_mesh((2, 2, 2), ("a", "b", "c")),
+    plan = sharding.plan(step, *args, mesh=sharding.abstract_mesh((2, 2, 2), ("a", "b", "c")),
                            profile="h100")
     assert plan.stats["candidates"] > _search.GRID_LIMIT
     assert plan.stats["method"] == "branch_and_bound" and plan.stats["optimal"] is True

@@ -1,15 +1,19 @@
-"""Per-primitive rules: which axes of an equation are the same dim, and the
-equation's iteration space for the cost model.
+"""Per-primitive dim identities: which axes of an equation are the same
+dim, and the equation's iteration space for the cost model.
 
-Precondition: called by `_graph._walk` once per non-call equation with the
-graph ids of its operands (None for literals) and fresh ids for its results.
-Each rule unifies positions in the graph's union-find and appends one `Op`:
-its iteration dims (one per distinct dim of the computation: the result's
-axes, then the summed ones), and for each operand and result an axis map
-from its axes to iteration dims. It leaves equations it does not know to a
-default that treats them as elementwise on equal-sized aligned axes, which
-is right for every `lax` elementwise, select, convert, cumulative and
+Each function here is the dim rule of its primitives, registered into the
+table `_graph` owns (`_graph.register`); `_graph.build` imports this module
+once. Precondition: called by `_graph._walk` once per non-call equation as
+`rule(g, eqn, ins, outs, mult)`, `g` the `_graph.Builder`, `ins` the graph
+ids of the operands (None for literals), `outs` fresh ids for the results.
+Each rule unifies positions in the builder's union-find and appends one
+`Op`: its iteration dims (one per distinct dim of the computation: the
+result's axes, then the summed ones), and for each operand and result an
+axis map from its axes to iteration dims. Equations it does not know get
+the default rule, which treats them as elementwise on equal-sized aligned
+axes: right for every `lax` elementwise, select, convert, cumulative and
 pad/slice primitive (sliced axes differ in size and stay unmapped).
+Primitive params are read through `jaxbackend._jax` accessors only.
 
 Kinds: `contract` (dot_general, einsum, gather, scatter-add: a summed or
 collapsed dim that is sharded leaves partial results that must be reduced),
@@ -21,12 +25,11 @@ from __future__ import annotations
 
 import math
 
-from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op
+from jaxbackend import _jax
+from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op, register, register_default
 
-
-def record(g, eqn, ins, outs, mult) -> None:
-    rule = RULES.get(eqn.primitive.name, _default)
-    rule(g, eqn.params, ins, outs, mult)
+# argmax / argmin reduce `axes` like the reductions, to an index.
+_REDUCTIONS = sorted(_jax.REDUCTIONS | {"argmax", "argmin"})
 
 
 def _numel(g, v) -> int:
@@ -36,15 +39,17 @@ def _numel(g, v) -> int:
 def _map_op(g, ins_maps, out, mult, kind="map", extra=(), reduced=(), flops=None):
     """Iteration dims = `out`'s axes (+ `extra` (var, axis) positions)."""
     n = len(g.shapes[out])
-    iclass = [(out, a) for a in range(n)] + list(extra)
+    iclass = tuple((out, a) for a in range(n)) + tuple(extra)
     isizes = tuple(g.shapes[out]) + tuple(g.shapes[v][a] for v, a in extra)
-    op = Op(kind, mult, isizes, iclass, tuple(ins_maps), ((out, tuple(range(n))),), tuple(reduced),
-            float(_numel(g, out) if flops is None else flops))
+    op = Op(kind=kind, mult=mult, isizes=isizes, iclass=iclass, ins=tuple(ins_maps),
+            outs=((out, tuple(range(n))),), reduced=tuple(reduced),
+            flops=float(_numel(g, out) if flops is None else flops))
     g.ops.append(op)
     return op
 
 
-def _default(g, params, ins, outs, mult):
+@register_default
+def _default(g, eqn, ins, outs, mult):
     if not outs:
         return
     out = outs[0]
@@ -71,9 +76,10 @@ def _default(g, params, ins, outs, mult):
     _map_op(g, maps, out, mult)
 
 
-def _transpose(g, params, ins, outs, mult):
+@register("transpose")
+def _transpose(g, eqn, ins, outs, mult):
     (v,), (out,) = ins, outs
-    perm = params["permutation"]
+    perm = _jax.transpose_permutation(eqn)
     m = [0] * len(perm)
     for i, p in enumerate(perm):
         g.union(v, p, out, i)
@@ -81,12 +87,13 @@ def _transpose(g, params, ins, outs, mult):
     _map_op(g, [(v, tuple(m))], out, mult, flops=0)
 
 
-def _broadcast(g, params, ins, outs, mult):
+@register("broadcast_in_dim")
+def _broadcast(g, eqn, ins, outs, mult):
     (v, *_), (out,) = ins, outs
     if v is None:
         return _map_op(g, [], out, mult, flops=0)
     m = []
-    for a, d in enumerate(params["broadcast_dimensions"]):
+    for a, d in enumerate(_jax.broadcast_dimensions(eqn)):
         if g.shapes[v][a] == g.shapes[out][d]:
             g.union(v, a, out, d)
             m.append(d)
@@ -95,9 +102,10 @@ def _broadcast(g, params, ins, outs, mult):
     _map_op(g, [(v, tuple(m))], out, mult, flops=0)
 
 
-def _squeeze(g, params, ins, outs, mult):
+@register("squeeze")
+def _squeeze(g, eqn, ins, outs, mult):
     (v,), (out,) = ins, outs
-    drop = {d % len(g.shapes[v]) for d in params["dimensions"]}
+    drop = {d % len(g.shapes[v]) for d in _jax.squeeze_dimensions(eqn)}
     m, j = [], 0
     for a in range(len(g.shapes[v])):
         if a in drop:
@@ -109,7 +117,8 @@ def _squeeze(g, params, ins, outs, mult):
     _map_op(g, [(v, tuple(m))], out, mult, flops=0)
 
 
-def _reshape(g, params, ins, outs, mult):
+@register("reshape")
+def _reshape(g, eqn, ins, outs, mult):
     v, out = ins[0], outs[0]
     src, dst = g.shapes[v], g.shapes[out]
     m = [UNMAPPED] * len(src)
@@ -142,9 +151,10 @@ def _reshape(g, params, ins, outs, mult):
     _map_op(g, [(v, tuple(m))], out, mult, flops=0)
 
 
-def _reduce(g, params, ins, outs, mult):
+@register(*_REDUCTIONS)
+def _reduce(g, eqn, ins, outs, mult):
     v, out = ins[0], outs[0]
-    axes = tuple(a % len(g.shapes[v]) for a in params["axes"])
+    axes = tuple(a % len(g.shapes[v]) for a in _jax.reduce_axes(eqn))
     kept = [a for a in range(len(g.shapes[v])) if a not in axes]
     for j, a in enumerate(kept):
         g.union(v, a, out, j)
@@ -158,10 +168,11 @@ def _reduce(g, params, ins, outs, mult):
             reduced=tuple(range(n_out, n_out + len(axes))), flops=_numel(g, v))
 
 
-def _dot_general(g, params, ins, outs, mult):
+@register("dot_general")
+def _dot_general(g, eqn, ins, outs, mult):
     lhs, rhs = ins
     out = outs[0]
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _jax.dot_dimension_numbers(eqn)
     nl, nr = len(g.shapes[lhs]), len(g.shapes[rhs])
     lfree = [a for a in range(nl) if a not in lc and a not in lb]
     rfree = [a for a in range(nr) if a not in rc and a not in rb]
@@ -187,10 +198,11 @@ def _dot_general(g, params, ins, outs, mult):
             extra=[(lhs, a) for a in lc], reduced=tuple(range(o, o + len(lc))), flops=flops)
 
 
-def _einsum(g, params, ins, outs, mult):
+@register("einsum")
+def _einsum(g, eqn, ins, outs, mult):
     lhs, rhs = ins
     out = outs[0]
-    ld, rd, od = params["lhs_dims"], params["rhs_dims"], params["out_dims"]
+    ld, rd, od = _jax.einsum_dims(eqn)
     for v, dims in ((lhs, ld), (rhs, rd), (out, od)):
         for a, d in enumerate(dims):
             g.label(v, a, d)
@@ -203,11 +215,11 @@ def _einsum(g, params, ins, outs, mult):
             reduced=tuple(range(len(od), len(order))), flops=flops)
 
 
-def _gather(g, params, ins, outs, mult):
+@register("gather")
+def _gather(g, eqn, ins, outs, mult):
     operand, indices = ins
     out = outs[0]
-    dn = params["dimension_numbers"]
-    sizes = params["slice_sizes"]
+    dn, sizes = _jax.gather_parts(eqn)
     shape = g.shapes[operand]
     skip = set(dn.collapsed_slice_dims) | set(dn.operand_batching_dims)
     window = [a for a in range(len(shape)) if a not in skip]
@@ -230,10 +242,11 @@ def _gather(g, params, ins, outs, mult):
             flops=_numel(g, out))
 
 
-def _scatter_add(g, params, ins, outs, mult):
+@register("scatter-add", "scatter_add")
+def _scatter_add(g, eqn, ins, outs, mult):
     operand, indices, updates = ins[:3]
     out = outs[0]
-    dn = params["dimension_numbers"]
+    dn = _jax.scatter_dimension_numbers(eqn)
     n = len(g.shapes[out])
     for a in range(n):
         g.union(operand, a, out, a)
@@ -256,8 +269,9 @@ def _scatter_add(g, params, ins, outs, mult):
             reduced=tuple(range(n, n + len(scatter))), flops=_numel(g, updates))
 
 
-def _concatenate(g, params, ins, outs, mult):
-    out, dim = outs[0], params["dimension"]
+@register("concatenate")
+def _concatenate(g, eqn, ins, outs, mult):
+    out, dim = outs[0], _jax.concatenate_dimension(eqn)
     maps = []
     for v in ins:
         if v is None:
@@ -273,16 +287,8 @@ def _concatenate(g, params, ins, outs, mult):
     _map_op(g, maps, out, mult, flops=0)
 
 
-def _free(g, params, ins, outs, mult):
+@register("iota")
+def _free(g, eqn, ins, outs, mult):
     for out in outs:
         _map_op(g, [], out, mult, flops=0)
 
-
-RULES = {
-    "transpose": _transpose, "broadcast_in_dim": _broadcast, "squeeze": _squeeze,
-    "reshape": _reshape, "dot_general": _dot_general, "einsum": _einsum,
-    "gather": _gather, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
-    "concatenate": _concatenate, "iota": _free,
-    **{p: _reduce for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                            "reduce_and", "reduce_or", "argmax", "argmin")},
-}

@@ -1,0 +1,125 @@
+"""Axis rules: what a sharding plan is, `dim name -> mesh axes`.
+
+A rule maps a dim name to one mesh axis, a tuple of mesh axes (the dim is
+split over their product), or None (replicated); `Rules` is that mapping.
+The same rules lay out parameters (`jaxbackend.nn.partition_specs`), the
+arguments and contractions of a planned program (`Plan`), and export as
+Flax logical axis rules. This module is the one place that reads them:
+
+* `normalize`: a dict, a sequence of (dim, axes) pairs, or an object with a
+  `.rules` attribute (a `Plan`) -> a dict whose values are a name, a tuple
+  of two or more names, or None;
+* `spec_for_dims`: a tensor's PartitionSpec from its dim names. A mesh axis
+  shards at most one dim of a tensor: a later dim keeps only the axes an
+  earlier dim left unused (a plan's per-tensor exception);
+* `check_divisible`: every dim's size divides by the size of its axes, or
+  one `DimError` (a ValueError) worded the same for parameters and programs;
+* `to_masks`: rules -> one mesh-axis bit mask per key of a sharding graph
+  (the search's representation), merged dims taking their major factor's.
+
+Rules are read, never changed: every function returns a new value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Union
+
+from jax.sharding import PartitionSpec
+
+from jaxbackend.named import DimError
+
+Axes = Union[str, tuple[str, ...], None]
+Rules = Mapping[str, Axes]
+
+
+def normalize(rules) -> dict[str, Axes]:
+    """dict dim -> mesh axis (str), tuple of two or more axes, or None."""
+    if hasattr(rules, "rules"):
+        rules = rules.rules
+    if rules is None:
+        return {}
+    if isinstance(rules, Mapping):
+        items = list(rules.items())
+    else:
+        try:
+            items = [tuple(r) for r in rules]
+        except TypeError:
+            raise ValueError(f"sharding rules {rules!r} must be a dict of dim -> mesh axis or a "
+                             f"sequence of (dim, mesh axis) pairs.") from None
+    out: dict[str, Axes] = {}
+    for item in items:
+        if len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"sharding rule {item!r} must be a (dim name, mesh axis) pair.")
+        dim, axis = item
+        if isinstance(axis, list):
+            axis = tuple(axis)
+        if isinstance(axis, tuple) and len(axis) <= 1:  # () = replicated, ("x",) = "x"
+            axis = axis[0] if axis else None
+        out[dim] = axis
+    return out
+
+
+def axes_tuple(axes: Axes) -> tuple[str, ...]:
+    """None -> (), "x" -> ("x",), a tuple as it is."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def spec_for_dims(dims, rules: Rules) -> PartitionSpec:
+    """PartitionSpec of a tensor with these dim names under `rules`."""
+    used: set = set()
+    out = []
+    for d in dims:
+        keep = tuple(a for a in axes_tuple(rules.get(d)) if a not in used)
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return PartitionSpec(*out)
+
+
+def check_size(dim: str, size: int, axes: Axes, axis_sizes: Mapping[str, int],
+               where: str = "") -> None:
+    """Raise `DimError` unless mesh axes `axes` (sizes from `axis_sizes`)
+    divide `size`; `where` ("of parameter ['w']") says whose dim it is."""
+    k = math.prod(axis_sizes[a] for a in axes_tuple(axes))
+    if size % k:
+        raise DimError(f"dim {dim!r}{where} has size {size}, not divisible by mesh axes {axes!r} "
+                       f"of size {k}; map {dim!r} to mesh axes whose size divides {size}, or to "
+                       f"None.")
+
+
+def check_divisible(named_shapes, rules: Rules, axis_sizes: Mapping[str, int]) -> None:
+    """`named_shapes`: (where, dims, shape) triples; checks each dim's size
+    against the axes `spec_for_dims` gives it."""
+    for where, dims, shape in named_shapes:
+        for d, n, axes in zip(dims, shape, spec_for_dims(dims, rules)):
+            check_size(d, n, axes, axis_sizes, where)
+
+
+def to_masks(rules: Rules, graph, mesh) -> list[int]:
+    """One mesh-axis mask per key of `graph` (a sharding graph) under `rules`
+    on `mesh` (a MeshSpec). A rule for a merged dim (a reshape of several
+    dims) applies to its major factor, the key it is laid out by."""
+    g = graph
+    known = set(g.key_names) | set(g.key_alias)
+    unknown = sorted(set(rules) - known)
+    if unknown:
+        raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
+                         f"{sorted(known)}; fix the spelling or drop those rules.")
+    rules = dict(rules)
+    for alias, k in g.key_alias.items():
+        if alias in rules:
+            major = g.key_names[k]
+            if major in rules and rules[major] != rules[alias]:
+                raise ValueError(
+                    f"rules: dim {alias!r} is a reshape of dims whose major factor is {major!r}, "
+                    f"so it is sharded as {major!r}, but the rules give {alias!r} -> "
+                    f"{rules[alias]!r} and {major!r} -> {rules[major]!r}; give one of them, or "
+                    f"both the same axes.")
+            rules[major] = rules.pop(alias)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    masks = [0] * len(g.key_names)
+    for k, name in enumerate(g.key_names):
+        if name in rules:
+            masks[k] = mesh.mask(rules[name])   # first: an unknown mesh axis is named as such
+            check_size(name, g.key_size[k], rules[name], sizes)
+    return masks

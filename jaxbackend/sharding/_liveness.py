@@ -1,0 +1,87 @@
+"""Which intermediates of a graph XLA materialises, and which of them are
+live at once: the memory half of the cost model (`_cost`).
+
+Precondition: a finished `_graph.Graph` and the layout keys of its
+variables. Materialised: outputs of contractions, reductions, stacked scan
+results, and of elementwise ops read by a non-elementwise op or by more than
+`FUSE_MAX_USES` ops (an elementwise result read by one elementwise op is
+assumed fused into it); dead values and constants (broadcasts of literals,
+iota) are not. A temporary is live from the op that makes it to the last op
+that reads it. Temporaries with the same layout keys and size form a group;
+the result counts, per group, how many are live at each program point that
+may hold the peak (points dominated by another are dropped), so the peak
+under any plan is a max over a few rows of a matrix product. It leaves the
+graph alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+FUSE_MAX_USES = 1   # an elementwise result read by one elementwise op is fused into it
+
+
+class Liveness(NamedTuple):
+    fixed_groups: list      # (keys, nbytes) of each argument and result
+    mem_groups: list        # (keys, nbytes) of each group of temporaries
+    mem_points: np.ndarray  # program points x groups: temporaries live
+
+
+def liveness(g, var_keys) -> Liveness:
+    """The `Liveness` of graph `g` whose variable v has layout keys `var_keys[v]`."""
+    born = [-1] * len(g.shapes)
+    for i, op in enumerate(g.ops):
+        for v, _ in op.outs:
+            born[v] = i
+    fused = set()
+    consumers: dict = {}
+    for op in g.ops:
+        for v, _ in op.ins:
+            consumers.setdefault(v, []).append(op.kind)
+    ins, outs = set(g.invars), set(g.outvars)
+    for op in g.ops:
+        for v, _ in op.outs:
+            # Dead values are removed by XLA; constants (broadcasts of
+            # literals, iota) are fused into their consumers.
+            if v not in outs and (v not in consumers or not op.ins):
+                fused.add(v)
+        if op.kind == "map":
+            for v, _ in op.outs:
+                readers = consumers.get(v, ())
+                if (readers and v not in g.pinned and v not in outs
+                        and all(k == "map" for k in readers) and len(readers) <= FUSE_MAX_USES):
+                    fused.add(v)
+    groups: dict = {}
+    fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins | {v for v in outs if v is not None}]
+    events = []
+    for v in range(len(g.shapes)):
+        if v in ins or v in outs or born[v] < 0 or v in fused or not g.shapes[v]:
+            continue
+        end = max(g.uses[v], born[v])
+        gk = (var_keys[v], g.nbytes(v))
+        j = groups.setdefault(gk, len(groups))
+        events.append((born[v], 1, j))
+        events.append((end + 1, -1, j))
+    events.sort()
+    count = np.zeros(len(groups))
+    i = 0
+    pts = []
+    while i < len(events):   # live counts after each program point
+        t0 = events[i][0]
+        while i < len(events) and events[i][0] == t0:
+            count[events[i][2]] += events[i][1]
+            i += 1
+        pts.append(count.copy())
+    rows = np.array(pts) if pts else np.zeros((1, len(groups)))
+    # Keep only points not dominated by another (a peak is at one of
+    # them); checking against the kept rows only, largest first, keeps
+    # this near-linear (few rows survive).
+    rows = np.unique(rows, axis=0)
+    rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
+    keep = np.zeros((0, len(groups)))
+    for r in rows:
+        if not (keep >= r).all(axis=1).any():
+            keep = np.vstack([keep, r])
+    return Liveness(fixed_groups, list(groups), keep if len(keep) else np.zeros((1, len(groups))))

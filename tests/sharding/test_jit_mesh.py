@@ -1,0 +1,109 @@
+"""`jb.jit(step, mesh=...)` as a real training step on 8 simulated CPU
+devices: the same object and extras as without a mesh, static arguments
+(plans per static value), donated params and optimizer state, and given
+in/out shardings checked against the plan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbackend as jb
+from jaxbackend import named as nx
+from jaxbackend import sharding, testing
+
+RULES = {"batch": "data", "mlp": "model"}
+
+
+def _loss(params, x, y):
+    h = nx.tanh(nx.dot(x, params["w1"], dim="embd"))          # batch, mlp
+    return ((nx.dot(h, params["w2"], dim="mlp") - y) ** 2).sum().values
+
+
+def step(params, mom, x, y, lr):
+    """SGD with momentum: (loss, params, momentum)."""
+    loss, g = jax.value_and_grad(_loss)(params, x, y)
+    mom = jax.tree.map(lambda m, d: 0.9 * m + d, mom, g)
+    return loss, jax.tree.map(lambda p, m: p - lr * m, params, mom), mom
+
+
+def _args():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": nx.as_named(jax.random.normal(k1, (8, 32)) / 3, ("embd", "mlp")),
+              "w2": nx.as_named(jax.random.normal(k2, (32, 8)) / 6, ("mlp", "embd"))}
+    mom = jax.tree.map(jnp.zeros_like, params)
+    x = nx.as_named(jax.random.normal(k3, (16, 8)), ("batch", "embd"))
+    return params, mom, x, nx.as_named(jnp.ones((16, 8)), ("batch", "embd"))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sharding.auto_mesh((2, 4), ("data", "model"))
+
+
+def _reference(args, lr):
+    return jax.jit(step, static_argnums=4)(*args, lr)
+
+
+def test_mesh_and_no_mesh_give_the_same_object_and_extras(mesh):
+    plain, sharded = jb.jit(step), jb.jit(step, mesh=mesh)
+    assert type(plain) is type(sharded) is type(jax.jit(step))
+    extras = {"trace_passes", "passes", "trace_count", "last_report", "plan"}
+    assert extras <= set(vars(plain)) and extras <= set(vars(sharded))
+    assert plain.plan is None and sharded.plan is None    # before any trace
+    assert "inline" in plain.passes and "inline" not in sharded.passes
+
+
+@pytest.mark.parametrize("how", ["argnums", "argnames"])
+def test_static_argument_sharded_equals_single_device_and_plans_per_value(mesh, how):
+    args = _args()
+    if how == "argnums":
+        f = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,))
+        call = lambda lr: f(*args, lr)                    # noqa: E731
+    else:
+        f = jb.jit(step, mesh=mesh, rules=RULES, static_argnames="lr")
+        call = lambda lr: f(*args, lr=lr)                 # noqa: E731
+    for lr in (0.1, 0.05):
+        testing.assert_close(call(lr), _reference(args, lr), what=f"step lr={lr}")
+    assert f.trace_count == 2 and f.plan.rules["mlp"] == "model"
+    call(0.1)                                             # a static value seen before
+    assert f.trace_count == 2
+    loss, new, _ = call(0.1)
+    assert new["w1"].values.sharding.spec == f.plan.spec_for_dims(("embd", "mlp"))
+
+
+def test_donated_params_and_state_are_freed_the_rest_kept(mesh):
+    args = _args()
+    want = _reference(args, 0.1)
+    f = jb.jit(step, mesh=mesh, static_argnums=(4,), donate_argnums=(0, 1))
+    f.lower(*args, 0.1)                                   # plans: the layouts to place with
+    placed = jax.device_put(args, f.plan.shardings(args))
+    out = f(*placed, 0.1)
+    testing.assert_close(out, want, what="donating step")
+    donated, kept = jax.tree.leaves(placed[:2]), jax.tree.leaves(placed[2:])
+    assert all(x.is_deleted() for x in donated)
+    assert not any(x.is_deleted() for x in kept)
+    again = f(*out[1:], *placed[2:], 0.1)                 # the step's own outputs donate too
+    assert all(x.is_deleted() for x in jax.tree.leaves(out[1:]))
+    assert np.isfinite(float(again[0]))
+
+
+def test_given_shardings_must_agree_with_the_plan(mesh):
+    args = _args()
+    planned = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,))
+    planned.lower(*args, 0.1)
+    agreeing = planned.plan.shardings(args)
+    f = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), in_shardings=agreeing)
+    testing.assert_close(f(*args, 0.1), _reference(args, 0.1), what="step with in_shardings")
+
+    wrong = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
+    g = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), in_shardings=wrong)
+    with pytest.raises(ValueError, match=r"in_shardings lays out argument \[0\]\['w1'\].* as "
+                                         r"P\('model',\), but the plan") as e:
+        g(*args, 0.1)
+    assert str(e.value).splitlines()[0].endswith("give this layout.")   # one line, then JAX's note
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    h = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), out_shardings=replicated)
+    with pytest.raises(ValueError, match=r"out_shardings lays out output \[1\]\['w1'\]") as e:
+        h(*args, 0.1)
+    assert str(e.value).splitlines()[0].endswith("give this layout.")   # one line, then JAX's note
