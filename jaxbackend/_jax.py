@@ -8,6 +8,14 @@ the version this project's CI installs; GPU machines carry 0.11).
 Public-but-low-level modules (`jax.extend.core`, `jax.interpreters.*`) are
 preferred over `jax._src`; where `jax._src` is unavoidable the reason is
 written next to the import.
+
+What lives here, besides the imports: the closed/open jaxpr split
+(`jaxpr_parts`, `jaxpr_rebuilt`, `sub_jaxprs`, `map_sub_jaxprs`), the
+primitive taxonomy the passes share (`CALL_PRIMITIVES`, `ELEMENTWISE`,
+`REDUCTIONS`, `NEVER_CSE`, ...), and every read of an equation's params by
+name: accessors (`scan_parts`, `broadcast_dimensions`, ...) and builders of
+a new equation's params (`reduce_params`, `dot_general_params`, ...). The
+passes and the sharding graph index no param dict themselves.
 """
 
 from __future__ import annotations
@@ -78,6 +86,24 @@ DropVar = jex_core.DropVar
 # primitives whose body is a plain sub-jaxpr that may be inlined.
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 CUSTOM_DERIVATIVE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+# `jax.checkpoint` binds "remat2" (printed `checkpoint`; "remat" in old JAX).
+REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
+
+# The primitive taxonomy the passes share. ELEMENTWISE: one output element
+# from the same-index elements of the operands (scalars broadcast), so it
+# commutes with broadcasting. REDUCTIONS: reduce `axes` of one operand.
+ELEMENTWISE = frozenset("""
+neg exp exp2 log log1p expm1 sqrt rsqrt cbrt tanh logistic sin cos tan asin acos atan
+sinh cosh asinh acosh atanh abs sign floor ceil round integer_pow square
+convert_element_type erf erfc erf_inv lgamma digamma not is_finite reduce_precision
+add sub mul div max min pow atan2 rem and or xor eq ne lt le gt ge add_any nextafter
+select_n
+""".split())
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+# Never merged even without declared effects: each call is meant to be
+# distinct (remat's prevent_cse, optimization barriers, stateful RNG ops).
+NEVER_CSE = REMAT_PRIMITIVES | frozenset({"optimization_barrier", "random_seed", "random_wrap",
+                                          "rng_uniform", "rng_bit_generator"})
 
 
 def new_var(aval) -> Var:
@@ -101,8 +127,77 @@ def is_closed_jaxpr(x) -> bool:
     return isinstance(x, ClosedJaxpr)
 
 
-def is_open_jaxpr(x) -> bool:
-    return isinstance(x, Jaxpr)
+def is_tracer(x) -> bool:
+    """A value of an enclosing trace (jb.jit runs the passes inside jax.jit's
+    trace), not known at compile time (JAX 0.10: `jax.core.Tracer`)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+# The closed/open split. JAX 0.10: a ClosedJaxpr is an open Jaxpr plus the
+# values of its constvars; equation params hold sub-jaxprs of either kind
+# (jit, scan, cond, custom calls: ClosedJaxpr; remat's: open Jaxpr),
+# directly or in a tuple (cond's branches). Upstream JAX merges the two
+# kinds: these helpers are what changes then.
+
+def is_jaxpr(x) -> bool:
+    return isinstance(x, (ClosedJaxpr, Jaxpr))
+
+
+def jaxpr_parts(j) -> tuple:
+    """(open jaxpr, list of consts) of a ClosedJaxpr; (j, None) for an open
+    Jaxpr, which has nowhere to put a const."""
+    return (j.jaxpr, list(j.consts)) if isinstance(j, ClosedJaxpr) else (j, None)
+
+
+def open_jaxpr(j) -> Jaxpr:
+    return j.jaxpr if isinstance(j, ClosedJaxpr) else j
+
+
+def jaxpr_rebuilt(j, jaxpr: Jaxpr, consts=()):
+    """`jaxpr` as the kind `j` is: with `consts` if j is closed; an open j
+    takes no consts."""
+    if isinstance(j, ClosedJaxpr):
+        return ClosedJaxpr(jaxpr, list(consts))
+    assert not consts, "an open jaxpr cannot hold consts"
+    return jaxpr
+
+
+def as_closed(j) -> ClosedJaxpr:
+    """j, or the const-free ClosedJaxpr of an open j."""
+    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
+
+
+def has_sub_jaxprs(eqn) -> bool:
+    """Does a param of `eqn` hold a (Closed)Jaxpr, directly or in a tuple?"""
+    # Fast path: most params are ints, dtypes or tuples of ints.
+    for p in eqn.params.values():
+        if isinstance(p, (ClosedJaxpr, Jaxpr)) or (
+                type(p) is tuple and any(isinstance(q, (ClosedJaxpr, Jaxpr)) for q in p)):
+            return True
+    return False
+
+
+def sub_jaxprs(eqn) -> list:
+    """The open jaxprs in `eqn`'s params (a ClosedJaxpr's own `.jaxpr`)."""
+    return list(jaxprs_in_params(eqn.params)) if has_sub_jaxprs(eqn) else []
+
+
+def map_sub_jaxprs(eqn, fn):
+    """`eqn` with each sub-jaxpr param value j (a ClosedJaxpr or Jaxpr,
+    directly or in a tuple) replaced by `fn(j)`, of j's kind and types; the
+    same equation object when fn returns every j itself."""
+    if not has_sub_jaxprs(eqn):
+        return eqn
+
+    def sub(value):
+        if isinstance(value, tuple):
+            new = tuple(sub(v) for v in value)
+            return value if all(a is b for a, b in zip(new, value)) else new
+        return fn(value) if isinstance(value, (ClosedJaxpr, Jaxpr)) else value
+
+    params = eqn.params
+    new = {k: sub(p) for k, p in params.items()}
+    return eqn if all(new[k] is params[k] for k in params) else eqn.replace(params=new)
 
 
 def check_closed_jaxpr(closed: ClosedJaxpr) -> None:
@@ -165,8 +260,7 @@ def jaxpr_with(jaxpr: Jaxpr, *, eqns=None, outvars=None, constvars=None) -> Jaxp
 jaxprs_in_params = jex_core.jaxprs_in_params
 
 
-# --- passes.reroll (helper E) -------------------------------------------------
-# JAX 0.10: `DropVar` (an unused equation output) is public in jax.extend.core.
+# --- re-binding an equation (passes, testing) -----------------------------------
 
 
 def bind_eqn(eqn, invals):
@@ -182,7 +276,7 @@ def bind_eqn(eqn, invals):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-# -- sharding (helper C): evaluate a jaxpr with a hook after each equation ------
+# --- sharding: evaluate a jaxpr with a hook after each equation -----------------
 # JAX 0.10: this is `jax._src.core.eval_jaxpr` (Primitive.get_bind_params +
 # bind under the equation's context manager) with a callback, used to place
 # `with_sharding_constraint` on named intermediates.
@@ -214,14 +308,16 @@ _SCAN_DEFAULTS: dict = {}
 def new_jaxpr(invars, outvars, eqns) -> Jaxpr:
     """A constvar-free jaxpr over existing equations (JAX 0.10 constructor;
     effects: none, as rolled blocks never hold effectful equations)."""
-    info = jex_core.DebugInfo("scan", "jaxbackend.passes.reroll block", (None,) * len(invars),
-                              (None,) * len(outvars))
+    names_in, names_out = (None,) * len(invars), (None,) * len(outvars)
+    info = jex_core.DebugInfo("scan", "jaxbackend.passes.reroll block",
+                              names_in, names_out)  # type: ignore[arg-type]
     return Jaxpr([], list(invars), list(outvars), list(eqns), debug_info=info)
 
 
-def scan_bind(body: ClosedJaxpr, args, *, length: int, reverse: bool, num_consts: int,
-              num_carry: int):
-    """`scan_p.bind` of `body` on args = consts + carry + xs (no re-trace of body)."""
+def scan_bind(body: ClosedJaxpr, args, *, length: int, reverse: bool, n_consts: int,
+              n_carry: int):
+    """`scan_p.bind` of `body` on args = n_consts consts + n_carry carry + xs
+    (no re-trace of body)."""
     from jax.extend.core.primitives import scan_p
 
     if not _SCAN_DEFAULTS:
@@ -231,7 +327,7 @@ def scan_bind(body: ClosedJaxpr, args, *, length: int, reverse: bool, num_consts
             jnp.float32(0), jnp.zeros(2, jnp.float32))
         _SCAN_DEFAULTS.update(j.jaxpr.eqns[0].params)
     params = dict(_SCAN_DEFAULTS, jaxpr=body, length=length, reverse=reverse,
-                  num_consts=num_consts, num_carry=num_carry)
+                  num_consts=n_consts, num_carry=n_carry)
     if "linear" in params:
         params["linear"] = (False,) * len(args)
     return scan_p.bind(*args, **params)
@@ -277,7 +373,7 @@ def call_body(eqn) -> ClosedJaxpr | None:
     """The ClosedJaxpr a call-like equation (jit, closed_call, the primal of a
     custom_jvp/custom_vjp call, checkpoint) runs on its operands, else None."""
     name = eqn.primitive.name
-    if name not in CALL_PRIMITIVES | CUSTOM_DERIVATIVE_PRIMITIVES | {"remat2", "checkpoint"}:
+    if name not in CALL_PRIMITIVES | CUSTOM_DERIVATIVE_PRIMITIVES | REMAT_PRIMITIVES:
         return None
     body = eqn.params["call_jaxpr" if "call_jaxpr" in eqn.params else "jaxpr"]
     return body if is_closed_jaxpr(body) else ClosedJaxpr(body, ())
@@ -442,3 +538,83 @@ def has_sharding_annotation(eqn) -> bool:
     `sharding` on broadcast_in_dim/reshape/iota, `out_sharding` on
     dot_general)? Rewriting it could drop that annotation."""
     return any(eqn.params.get(k) is not None for k in ("sharding", "out_sharding"))
+
+
+# --- params the passes read or rebuild -------------------------------------
+# Passes never spell a param name: they read through the accessors above and
+# build new equations' params with these (JAX 0.10 names: reduce_* "axes",
+# "out_sharding"; mul/div "out_dtype"; call "in_shardings"/"out_shardings";
+# custom_jvp_call "jvp_jaxpr_fun"; names above for the others).
+
+def eqn_params(eqn) -> dict:
+    """A copy of `eqn`'s params, to bind its primitive again unchanged
+    (`eqn.primitive.bind(*args, **eqn_params(eqn))`)."""
+    return dict(eqn.params)
+
+
+def params_key(params: dict):
+    """A hashable key of bind params, or None when a value is unhashable."""
+    key = tuple(sorted(params.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def param_items(eqn) -> list:
+    """(name, value) of every param of `eqn`, sorted by name."""
+    return sorted(eqn.params.items())
+
+
+def reduce_params(eqn, axes) -> dict:
+    """The params of a reduction like `eqn` (a reduce_*) over `axes`."""
+    return dict(eqn.params, axes=tuple(axes))
+
+
+def broadcast_params(eqn, dims) -> dict:
+    """The params of `eqn` (a broadcast_in_dim: its shape and sharding) with
+    operand axes mapped to output axes `dims`."""
+    p = eqn.params
+    return dict(shape=tuple(p["shape"]), broadcast_dimensions=tuple(dims),
+                sharding=p.get("sharding"))
+
+
+def dot_options(eqn) -> dict:
+    """Precision and accumulation dtype of a dot_general / einsum `eqn`, as
+    keywords of `lax.dot_general` and of `named._einsum.einsum`."""
+    p = eqn.params
+    return dict(precision=p.get("precision"),
+                preferred_element_type=p.get("preferred_element_type"))
+
+
+def dot_general_params(eqn, dimension_numbers) -> dict:
+    """The params of a dot_general like `eqn` (its precision, accumulation
+    dtype and output sharding) contracting per `dimension_numbers`."""
+    return dict(dot_options(eqn), dimension_numbers=dimension_numbers,
+                out_sharding=eqn.params.get("out_sharding"))
+
+
+def has_out_dtype(eqn) -> bool:
+    """Does a binary op `eqn` set an explicit result dtype (`out_dtype`)?"""
+    return eqn.params.get("out_dtype") is not None
+
+
+def call_has_shardings(eqn) -> bool:
+    """Are a call's `in_shardings`/`out_shardings` set (not jit's default)?"""
+    return not all(sharding_is_unspecified(s)
+                   for k in ("in_shardings", "out_shardings") for s in eqn.params.get(k, ()))
+
+
+def custom_jvp_rule_fun(eqn):
+    """The JVP rule function stored in a `custom_jvp_call` equation's params
+    (compared via `custom_jvp_rule`), else None."""
+    return eqn.params.get("jvp_jaxpr_fun") if eqn.primitive.name == "custom_jvp_call" else None
+
+
+def einsum_dims(eqn) -> tuple:
+    """(lhs_dims, rhs_dims, out_dims) of a `named._einsum` einsum equation.
+    The einsum primitive is ours; its params are read here so that no pass
+    or sharding rule indexes an equation's param dict."""
+    p = eqn.params
+    return tuple(p["lhs_dims"]), tuple(p["rhs_dims"]), tuple(p["out_dims"])

@@ -6,11 +6,13 @@ One pass per module, all driven by the shared traversal in `_rewrite`
 """
 
 from jaxbackend.passes._rewrite import (
+    EqnBuilder as EqnBuilder,
     Rewriter as Rewriter,
     RewriteDeclined as RewriteDeclined,
     collect_stats as collect_stats,
     count_eqns as count_eqns,
     iter_eqns as iter_eqns,
+    iter_jaxprs as iter_jaxprs,
     record_stats as record_stats,
     rewrite as rewrite,
 )

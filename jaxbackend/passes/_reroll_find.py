@@ -1,5 +1,6 @@
 """Finding rollable runs of layer blocks in a flat jaxpr (the analysis half of
-`passes.reroll`; the rewrite half lives in `reroll.py`).
+`passes.reroll`; the rewrite half lives in `reroll.py`, the tags and records
+both use in `_reroll_run.py`).
 
 A *run* is `repeats` consecutive, equally long slices ("blocks") of the
 equation list, `period` equations each, such that
@@ -14,10 +15,11 @@ equation list, `period` equations each, such that
    differ only there are not merged;
 2. they have the same data flow: operand k of equation r reads, in every
    block, either a value made earlier in the same block at the same place
-   (`int`), a value made by the previous block at the same place (`car`, a
-   loop carry), a literal, or a value from before the run (`out`: either the
-   same variable in every block, a loop invariant, or a different one per
-   block, like the layer's own weights, which gets stacked);
+   (`Inner`), a value made by the previous block at the same place (`Prev`,
+   a loop carry), a literal (`Lit`), or a value from before the run (`Out`:
+   either the same variable in every block, a loop invariant, or a different
+   one per block, like the layer's own weights, which gets stacked). A run's
+   template numbers carries and outside values instead (`Carry`, `Outside`);
 3. each block feeds the next (at least one carry), so unrelated look-alike
    equations (three parallel projections) do not become a loop.
 
@@ -42,12 +44,13 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 
 import numpy as np
 
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
+from jaxbackend.passes._reroll_run import (BAD, LIT, Carry, DepGraph, Inner, Out, Outside, Prev,
+                                           Run)
 
 MAX_PERIOD_CANDIDATES = 16
 # A block lighter than this is not worth a loop (a scan costs more than the
@@ -55,26 +58,6 @@ MAX_PERIOD_CANDIDATES = 16
 # weight of an equation counts the equations of its sub-jaxprs (a layer
 # that is one `jax.checkpoint` equation weighs the whole layer).
 MIN_BLOCK_EQNS = 4
-
-
-@dataclasses.dataclass
-class Run:
-    start: int                      # index of the first equation of block 0
-    period: int                     # equations per block
-    repeats: int                    # number of blocks
-    template: list                  # [r][k] -> ('lit',) | ('int', r, o) | ('car', c) | ('out', s)
-    carry_slots: list               # [c] -> (r, o): block output carried to the next block
-    carry_init: list                # [c] -> outside var read by block 0 for that carry
-    outside: list                   # [s] -> tuple of vars, one per block (same var: invariant)
-    ys_slots: list                  # [(r, o)] block outputs used after the run, stacked
-    carry_ys: list                  # [c] carries whose per-block values are used after the run
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.period * self.repeats
-
-    def block_eqn_index(self, j: int, r: int) -> int:
-        return self.start + j * self.period + r
 
 
 # ---------------------------------------------------------------------------
@@ -86,8 +69,10 @@ def signatures(eqns, keys: _rewrite.StructuralKeys) -> list:
     see `StructuralKeys`), context, operand types, literal values and result
     types. Never printed text: layers that differ only in a custom_vjp `bwd`
     or a callback print alike but must not share one scan body."""
-    intern, sigs = {}, []
+    intern: dict = {}
+    sigs: list = []
     for i, e in enumerate(eqns):
+        key: tuple
         if e.effects:  # effectful equations never repeat (order matters)
             key = ("effects", i)
         else:
@@ -104,7 +89,9 @@ def candidate_periods(sigs, weights, min_repeats: int) -> list:
     the layer). A distance under MIN_BLOCK_EQNS stays a candidate only when
     equations with sub-jaxprs repeat at it; `find_runs` checks each run's
     block weight."""
-    last, hist, heavy = {}, collections.Counter(), collections.Counter()
+    last: dict = {}
+    hist: collections.Counter = collections.Counter()
+    heavy: collections.Counter = collections.Counter()
     for i, s in enumerate(sigs):
         if s in last:
             d = i - last[s]
@@ -135,30 +122,7 @@ def periodic_regions(sigs, period: int, min_repeats: int):
 # ---------------------------------------------------------------------------
 # data flow
 
-class Graph:
-    """Definition sites and use sites of every variable (built once)."""
-
-    def __init__(self, jaxpr):
-        self.eqns = jaxpr.eqns
-        self.n = len(self.eqns)
-        self.defs: dict = {}                           # var -> (eqn index, output index)
-        self.uses = collections.defaultdict(list)      # var -> sorted eqn indices
-        for i, e in enumerate(self.eqns):
-            for v in e.invars:
-                if not isinstance(v, _jax.Literal):
-                    self.uses[v].append(i)
-            for o, v in enumerate(e.outvars):
-                self.defs[v] = (i, o)
-        for v in jaxpr.outvars:
-            if not isinstance(v, _jax.Literal):
-                self.uses[v].append(self.n)            # "used after every equation"
-
-    def last_use(self, v) -> int:
-        u = self.uses.get(v)
-        return u[-1] if u else -1
-
-
-def phase_ranking(g: Graph, a: int, b: int, period: int, min_repeats: int) -> list:
+def phase_ranking(g: DepGraph, a: int, b: int, period: int, min_repeats: int) -> list:
     """Block starts in [a, a + period), best first: fewest values live across
     the block boundary (carries), then most blocks, then earliest. Items are
     (live, -blocks, start)."""
@@ -195,26 +159,28 @@ def phase_ranking(g: Graph, a: int, b: int, period: int, min_repeats: int) -> li
     return ranked
 
 
-def _desc(g: Graph, v, j: int, s: int, start: int, period: int):
+def _desc(g: DepGraph, v, j: int, s: int, start: int, period: int):
     """How block j (of a run whose first block is s) reads operand v."""
     if isinstance(v, _jax.Literal):
-        return ("lit",)
+        return LIT
     d = g.defs.get(v)
     if d is None or d[0] < start + s * period:
-        return ("out", v)
+        return Out(v)
     bj, r = divmod(d[0] - start, period)
     if bj == j:
-        return ("int", r, d[1])
+        return Inner(r, d[1])
     if bj == j - 1:
-        return ("car", r, d[1])
-    return ("bad",)
+        return Prev(r, d[1])
+    return BAD
 
 
 def _matches(t, d):
-    return t[0] == d[0] and (t[0] == "out" or t == d)
+    """Does operand tag d agree with template tag t (an outside value may
+    differ per block)?"""
+    return type(t) is type(d) and (isinstance(t, Out) or t == d)
 
 
-def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int):
+def split_runs(g: DepGraph, start: int, period: int, nblocks: int, min_repeats: int):
     """Verified runs among blocks start + j*period, j < nblocks; None when a
     value skips a block (the region is then not a chain at this period)."""
     runs, s = [], 0
@@ -223,18 +189,19 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
         # template: block s+1 relative to block s
         tmpl = [[_desc(g, v, s + 1, s, start, period) for v in eq(s + 1, r).invars]
                 for r in range(period)]
-        if any(d[0] == "bad" for row in tmpl for d in row):
+        if any(d is BAD for row in tmpl for d in row):
             return None   # a value skips a block (a skip connection): not a simple chain
-        if not any(d[0] == "car" for row in tmpl for d in row):
+        if not any(type(d) is Prev for row in tmpl for d in row):
             s += 1
             continue
         # block s: carried operands must come from outside, one var per carry
-        init, ok = {}, True
+        init: dict = {}
+        ok = True
         for r in range(period):
             for t, v in zip(tmpl[r], eq(s, r).invars):
                 d = _desc(g, v, s, s, start, period)
-                if t[0] == "car":
-                    ok = ok and d[0] == "out" and init.setdefault(t[1:], v) is v
+                if type(t) is Prev:
+                    ok = ok and type(d) is Out and init.setdefault(t.slot, v) is v
                 else:
                     ok = ok and _matches(t, d)
         if not ok:
@@ -244,7 +211,7 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
         while j < nblocks:
             descs = [(t, _desc(g, v, j, s, start, period))
                      for r in range(period) for t, v in zip(tmpl[r], eq(j, r).invars)]
-            if any(d[0] == "bad" for _, d in descs):
+            if any(d is BAD for _, d in descs):
                 return None
             if not all(_matches(t, d) for t, d in descs):
                 break
@@ -257,24 +224,26 @@ def split_runs(g: Graph, start: int, period: int, nblocks: int, min_repeats: int
     return runs
 
 
-def _make_run(g: Graph, start: int, period: int, n: int, tmpl, init) -> Run:
+def _make_run(g: DepGraph, start: int, period: int, n: int, tmpl, init) -> Run:
     eqns, stop = g.eqns, start + period * n
     carry_slots = list(init)                       # (r, o) in first-use order
     carry_index = {slot: c for c, slot in enumerate(carry_slots)}
-    outside, outside_index, template = [], {}, []
+    outside: list = []
+    outside_index: dict = {}
+    template: list = []
     for r in range(period):
-        row = []
+        row: list = []
         for k, t in enumerate(tmpl[r]):
-            if t[0] == "car":
-                row.append(("car", carry_index[t[1:]]))
-            elif t[0] == "out":
+            if type(t) is Prev:
+                row.append(Carry(carry_index[t.slot]))
+            elif type(t) is Out:
                 vs = tuple(eqns[start + j * period + r].invars[k] for j in range(n))
                 if vs not in outside_index:
                     outside_index[vs] = len(outside)
                     outside.append(vs)
-                row.append(("out", outside_index[vs]))
+                row.append(Outside(outside_index[vs]))
             else:
-                row.append(t)
+                row.append(t)   # Lit or Inner
         template.append(row)
     ys_slots, carry_ys = [], []
     for r in range(period):
@@ -298,11 +267,12 @@ def find_runs(jaxpr, min_repeats: int = 2, keys: _rewrite.StructuralKeys | None 
     if len(jaxpr.eqns) < min_repeats:
         return []
     keys = _rewrite.StructuralKeys() if keys is None else keys
-    g = Graph(jaxpr)
+    g = DepGraph(jaxpr)
     sigs = signatures(jaxpr.eqns, keys)
     weights = [keys.weight(e) for e in jaxpr.eqns]
     prefix = np.concatenate([[0], np.cumsum(weights)])
-    found, skips = [], []                            # (run, region); (a, b) rejected
+    found: list = []                                 # (run, region)
+    skips: list = []                                 # (a, b) rejected
     for period in candidate_periods(sigs, weights, min_repeats):
         for a, b in periodic_regions(sigs, period, min_repeats):
             ranked = phase_ranking(g, a, b, period, min_repeats)
@@ -332,7 +302,7 @@ def _select(found):
     return sorted(chosen, key=lambda t: t[0].start)
 
 
-def _align_producers(g: Graph, chosen, min_repeats: int):
+def _align_producers(g: DepGraph, chosen, min_repeats: int):
     """Re-phase a run whose per-block results a later run reads (forward
     residuals read by the backward run): among the block starts that tie on
     the ranking, take one whose blocks each hold all the values one consumer

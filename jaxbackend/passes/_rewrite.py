@@ -1,22 +1,45 @@
-"""The one traversal every pass uses: a rule table walked over a jaxpr.
+"""The passes' one traversal library: walking jaxprs, an equation builder,
+and the rule driver built on it.
 
-A pass is a table `{primitive name: rule}` (key `"*"` = any primitive without
-its own rule) handed to `rewrite(closed, rules)`. The driver walks the
-equations once, in order, keeping an environment old var -> new atom:
+Walking (linear in the number of equations):
+
+* `iter_jaxprs(x)`: the top-level jaxpr and every distinct sub-jaxpr (the
+  bodies of `jit`, `scan`, `while`, `cond`, remat and custom-derivative
+  calls, at any depth), each once however many equations share it;
+  `iter_eqns` / `count_eqns` are built on it.
+* `Producers(eqns)`: atom -> the equation defining it, indexed lazily as the
+  list grows (a builder's output list), so a rule that asks about the graph
+  being built pays one dict insert per new output, and one that never asks
+  pays nothing. The `remaining()` counters of the passes use it too.
+* `map_subjaxprs(eqn, memo, fn)`: an equation with its sub-jaxprs replaced,
+  each distinct sub-jaxpr object mapped once (`memo`), never unrolled.
+
+Whether a jaxpr is closed or open is `_jax`'s business (`_jax.jaxpr_parts`).
+
+Building: `EqnBuilder` accumulates the equations of one new (sub-)jaxpr: kept
+equations, and new ones made by `emit(fn, args)` / `bind(prim, args, **kw)`,
+which trace `fn` through `bind` to a small jaxpr (cached by the caller's key
+and the input avals, so the 32 identical layers of a model trace once) and
+splice it in with fresh variables. `producer(atom)` reads the graph being
+built. `transform(j, walk)` runs a walk over one jaxpr with a fresh builder
+and rebuilds a jaxpr of the same kind (closed or open); `reroll` and `dce`
+walk that way too.
+
+Driving: `Rewriter` is the rule driver (an `EqnBuilder`). A pass is a
+table `{primitive name: rule}` (key `"*"` = any primitive without its own
+rule) handed to `rewrite(closed, rules)`. The driver walks the equations
+once, in order, keeping an environment old var -> new atom:
 
 * an equation whose rule returns `None` (or has no rule) is kept as it is,
   only its inputs renamed where an earlier rewrite replaced them, so the cost
   of an untouched equation is a dict lookup per input, no re-trace;
-* a rule that applies returns the atoms that replace the equation's outputs.
-  It builds them with `ctx.emit(fn, args)` / `ctx.bind(prim, args, **params)`,
-  which trace `fn` through `bind` to a small jaxpr (cached by the rule's key
-  and the input avals, so the 32 identical layers of a model trace once) and
-  splice it in with fresh variables;
+* a rule that applies returns the atoms that replace the equation's outputs,
+  built with the builder methods of its `ctx` (the driver itself);
 * sub-jaxprs in parameters (`jit`/`closed_call`, `scan`, `while`, `cond`,
-  `custom_jvp_call`, `custom_vjp_call`, `remat`: any `ClosedJaxpr`/`Jaxpr`
-  parameter, or tuple of them) are rewritten recursively with the same table,
-  once per distinct sub-jaxpr object, never unrolled; their input and output
-  types are unchanged, so the enclosing equation stays valid.
+  `custom_jvp_call`, `custom_vjp_call`, `remat`) are rewritten recursively
+  with the same table, once per distinct sub-jaxpr object, never unrolled;
+  their input and output types are unchanged, so the enclosing equation
+  stays valid.
 
 Rules see the *new* graph: `ctx.producer(atom)` is the equation that defines
 an atom after earlier rewrites, so chains of rewrites compose in one walk.
@@ -24,9 +47,7 @@ Nothing is re-walked per equation, so a pass is linear in the number of
 equations (plus one small trace per distinct rewritten signature).
 
 Equality of equations (`StructuralKeys`, used by `reroll` to match layers
-and by `cse`): by structure, sub-jaxprs recursively and once per object,
-custom_jvp rules by their traced jaxprs, other function-valued parameters by
-identity; never by printed text.
+and by `cse`) lives in `_structural`.
 
 Stats: `ctx.count(name)` records a match; `rewrite` returns nothing extra but
 adds its counts to the active `collect_stats()` collector (see pipeline), so a
@@ -42,14 +63,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-from typing import Any, Callable, Hashable, Mapping, Sequence
+import functools
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from jaxbackend import _jax
-# Structural equation keys (and has_jaxpr) live in their own module; re-exported.
-from jaxbackend.passes._structural import StructuralKeys as StructuralKeys, has_jaxpr as has_jaxpr
+# Structural keys live in their own module; re-exported: one import for passes.
+from jaxbackend.passes._structural import StructuralKeys as StructuralKeys
 
 Rule = Callable[["Rewriter", Any], "Sequence[Any] | None"]
 
@@ -73,6 +95,84 @@ def collect_stats():
     finally:
         _STATS.reset(token)
 
+
+def record_stats(counts: Mapping[str, int]) -> None:
+    """Add a pass's match counts to the active `collect_stats()` collector
+    (for passes that do not go through `rewrite`, like `dce`)."""
+    sink = _STATS.get()
+    if sink is not None:
+        sink.update(counts)
+
+
+# ---------------------------------------------------------------------------
+# walking
+
+def iter_jaxprs(closed_or_jaxpr, *, seen: set | None = None) -> Iterator:
+    """The open jaxpr of `closed_or_jaxpr`, then every distinct sub-jaxpr
+    (depth first, each object once)."""
+    jaxpr = _jax.open_jaxpr(closed_or_jaxpr)
+    seen = set() if seen is None else seen
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in _jax.sub_jaxprs(eqn):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                yield from iter_jaxprs(sub, seen=seen)
+
+
+def iter_eqns(closed_or_jaxpr) -> Iterator:
+    """Every equation, sub-jaxprs included (each distinct sub-jaxpr once)."""
+    for jaxpr in iter_jaxprs(closed_or_jaxpr):
+        yield from jaxpr.eqns
+
+
+def count_eqns(closed, primitive: str | None = None) -> int:
+    """Number of equations (of `primitive`, if given), sub-jaxprs included."""
+    return sum(1 for e in iter_eqns(closed) if primitive is None or e.primitive.name == primitive)
+
+
+class Producers:
+    """`producers(atom)`: the equation of `eqns` defining `atom`, or None for
+    inputs, consts and literals. `eqns` may grow after construction (a
+    builder's output list): new equations are indexed on the next call."""
+
+    def __init__(self, eqns: list):
+        self.eqns = eqns
+        self._of: dict = {}
+        self._indexed = 0            # eqns[:_indexed] are in _of
+
+    def __call__(self, atom):
+        if not _jax.is_var(atom):
+            return None
+        eqns, of = self.eqns, self._of
+        for i in range(self._indexed, len(eqns)):
+            for v in eqns[i].outvars:
+                of[v] = eqns[i]
+        self._indexed = len(eqns)
+        return of.get(atom)
+
+    def truncate(self, n: int) -> None:
+        """Drop `eqns[n:]` (their outputs are then never asked about)."""
+        del self.eqns[n:]
+        self._indexed = min(self._indexed, n)
+
+
+def map_subjaxprs(eqn, memo: dict, fn: Callable):
+    """`eqn` with every sub-jaxpr parameter replaced by `fn(it)`, which must
+    keep its kind and input/output types; memoised per object in `memo`, so
+    a sub-jaxpr shared by many equations is mapped once. The same equation
+    object when `fn` changed nothing."""
+    def once(value):
+        hit = memo.get(id(value))
+        if hit is None:
+            hit = memo[id(value)] = (value, fn(value))  # keep value alive: its id stays unique
+        return hit[1]
+
+    return _jax.map_sub_jaxprs(eqn, once)
+
+
+# ---------------------------------------------------------------------------
+# building and driving
 
 def _trace(fn, avals, key):
     """ClosedJaxpr of fn on avals, cached when the rule gives a key."""
@@ -100,37 +200,27 @@ def _as_list(out):
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-class Rewriter:
-    """State of one walk over one (sub-)jaxpr; the `ctx` rules receive."""
+def _renamed(atoms, env):
+    return [env.get(v, v) if _jax.is_var(v) else v for v in atoms]
 
-    def __init__(self, rules: Mapping[str, Rule], *, closed: bool, shared: dict):
-        self.rules = rules
-        self._closed = closed        # may new consts be added (ClosedJaxpr level)?
-        self._shared = shared        # per-pass: memo of rewritten sub-jaxprs, stats
+
+class EqnBuilder:
+    """The equations of one new (sub-)jaxpr, in order. `closed`: the jaxpr
+    is a ClosedJaxpr's, so array consts may be added; an open one (a remat
+    body) declines them (`RewriteDeclined`)."""
+
+    def __init__(self, *, closed: bool):
+        self.closed = closed
         self.eqns: list = []
-        self._producer: dict = {}
-        self._indexed = 0            # eqns[:_indexed] are in _producer
+        self.producer = Producers(self.eqns)   # atom -> defining eqn in the new graph
         self.new_constvars: list = []
         self.new_consts: list = []
+        self.dropped_constvars: set = set()    # of the old jaxpr, left out by `transform`
         self.changed = False
-        self.local: dict = {}        # per-walk scratch space for rules (one scope)
 
-    # -- for rules ---------------------------------------------------------
-    def producer(self, atom):
-        """The equation (in the new graph) defining `atom`, or None for
-        inputs, consts and literals."""
-        if not _jax.is_var(atom):
-            return None
-        # Indexed lazily: passes that never ask (inline, cse) pay nothing.
-        eqns, producer = self.eqns, self._producer
-        for i in range(self._indexed, len(eqns)):
-            for v in eqns[i].outvars:
-                producer[v] = eqns[i]
-        self._indexed = len(eqns)
-        return producer.get(atom)
-
-    def count(self, name: str, n: int = 1) -> None:
-        self._shared["stats"][name] += n
+    def append(self, eqn) -> None:
+        """Keep `eqn` as it is."""
+        self.eqns.append(eqn)
 
     def emit(self, fn: Callable, args: Sequence, key: Hashable | None = None) -> list:
         """Trace `fn(*arrays)` on the avals of `args`, splice it in, return
@@ -139,64 +229,87 @@ class Rewriter:
         closed = _trace(fn, [a.aval for a in args], key)
         return self.splice(closed, args)
 
-    def bind(self, prim, args: Sequence, **params) -> list:
+    def bind(self, prim, args: Sequence, **kw) -> list:
         """One primitive application, as atoms (cached per params/avals)."""
-        try:
-            key = ("bind", prim, tuple(sorted(params.items())))
-            hash(key)
-        except TypeError:
-            key = None
-        return self.emit(lambda *xs: prim.bind(*xs, **params), args, key)
+        pk = _jax.params_key(kw)
+        key = None if pk is None else ("bind", prim, pk)
+        return self.emit(lambda *xs: prim.bind(*xs, **kw), args, key)
 
     def splice(self, closed, args: Sequence) -> list:
-        """Copy `closed`'s equations in with fresh variables, its inputs
-        bound to `args`; returns the atoms of its outputs."""
-        env = dict(zip(closed.jaxpr.invars, args))
-        for cv, c in zip(closed.jaxpr.constvars, closed.consts):
+        """Copy the equations of `closed` (a ClosedJaxpr, or a const-free
+        Jaxpr) in with fresh variables, its inputs bound to `args`; returns
+        the atoms of its outputs."""
+        jaxpr, consts = _jax.jaxpr_parts(closed)
+        env = dict(zip(jaxpr.invars, args))
+        for cv, c in zip(jaxpr.constvars, consts or ()):
             env[cv] = self._const(c, cv.aval)
-        for eqn in closed.jaxpr.eqns:
-            invars = [env.get(v, v) if _jax.is_var(v) else v for v in eqn.invars]
+        for eqn in jaxpr.eqns:
             outvars = []
             for v in eqn.outvars:
                 nv = _jax.DropVar(v.aval) if _jax.is_dropvar(v) else _jax.new_var(v.aval)
                 env[v] = nv
                 outvars.append(nv)
-            self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
+            self.eqns.append(eqn.replace(invars=_renamed(eqn.invars, env), outvars=outvars))
         self.changed = True
-        return [env.get(v, v) if _jax.is_var(v) else v for v in closed.jaxpr.outvars]
+        return _renamed(jaxpr.outvars, env)
 
-    # -- driver ------------------------------------------------------------
     def _const(self, value, aval):
-        if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+        if np.ndim(value) == 0 and not _jax.is_tracer(value):
             return _jax.new_literal(np.asarray(value, dtype=aval.dtype), aval)
-        if not self._closed:
+        if not self.closed:
             raise RewriteDeclined("cannot add a const inside an open sub-jaxpr")
         v = _jax.new_var(aval)
         self.new_constvars.append(v)
         self.new_consts.append(value)
         return v
 
-    def _rewrite_sub(self, value):
-        if _jax.is_closed_jaxpr(value):
-            return _rewrite_closed(value, self.rules, self._shared)
-        return _rewrite_open(value, self.rules, self._shared)
 
-    def finish(self, jaxpr, outvars):
-        """`jaxpr` with the walked equations, these outvars and any consts
-        the rules added (same inputs and effects)."""
-        return _jax.jaxpr_with(jaxpr, eqns=self.eqns, outvars=outvars,
-                               constvars=list(jaxpr.constvars) + self.new_constvars)
+def transform(j, walk: Callable, make: Callable = EqnBuilder):
+    """Run `walk(jaxpr, builder) -> new outvars | None` over the equations
+    of `j` (a ClosedJaxpr or an open Jaxpr) with a fresh `make(closed=...)`
+    builder; returns `j` itself when walk returns None, else a jaxpr of
+    j's kind: the builder's equations, constvars (less the dropped ones,
+    plus the added ones), same inputs and effects."""
+    jaxpr, consts = _jax.jaxpr_parts(j)
+    b = make(closed=consts is not None)
+    outvars = walk(jaxpr, b)
+    if outvars is None:
+        return j
+    dropped = b.dropped_constvars
+    constvars = [v for v in jaxpr.constvars if v not in dropped] + b.new_constvars
+    new = _jax.jaxpr_with(jaxpr, eqns=b.eqns, outvars=outvars, constvars=constvars)
+    if consts is None:
+        return _jax.jaxpr_rebuilt(j, new)
+    kept = [c for v, c in zip(jaxpr.constvars, consts) if v not in dropped]
+    return _jax.jaxpr_rebuilt(j, new, kept + b.new_consts)
 
-    def run(self, jaxpr) -> tuple[list, list]:
+
+class Rewriter(EqnBuilder):
+    """The rule driver: one walk of one (sub-)jaxpr through a rule table; the
+    `ctx` rules receive (the builder methods, plus `count` and `local`)."""
+
+    def __init__(self, rules: Mapping[str, Rule], *, closed: bool, subs: Callable,
+                 stats: collections.Counter):
+        super().__init__(closed=closed)
+        self.rules = rules
+        self._subs = subs            # eqn -> eqn with its sub-jaxprs rewritten
+        self._stats = stats
+        self.local: dict = {}        # per-walk scratch space for rules (one scope)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._stats[name] += n
+
+    def run(self, jaxpr):
+        """The new outvars, or None when nothing changed."""
         env: dict = {}
         rules = self.rules
         default = rules.get("*")
         for eqn in jaxpr.eqns:
             if env:
-                invars = [env.get(v, v) if _jax.is_var(v) else v for v in eqn.invars]
+                invars = _renamed(eqn.invars, env)
                 if any(a is not b for a, b in zip(invars, eqn.invars)):
                     eqn = eqn.replace(invars=invars)
-            new = map_subjaxprs(eqn, self._shared["memo"], self._rewrite_sub)
+            new = self._subs(eqn)
             if new is not eqn:
                 eqn = new
                 self.changed = True
@@ -207,8 +320,7 @@ class Rewriter:
                 try:
                     out = rule(self, eqn)
                 except RewriteDeclined:
-                    del self.eqns[n_before:]   # now dead; drop them
-                    self._indexed = min(self._indexed, n_before)
+                    self.producer.truncate(n_before)   # what it emitted is dead: drop it
                     out = None
             if out is None:
                 self.eqns.append(eqn)
@@ -220,8 +332,7 @@ class Rewriter:
                 if not _jax.is_dropvar(old):
                     env[old] = new
             self.changed = True
-        outvars = [env.get(v, v) if _jax.is_var(v) else v for v in jaxpr.outvars]
-        return self.eqns, outvars
+        return _renamed(jaxpr.outvars, env) if self.changed else None
 
 
 def _same_type(a, b) -> bool:
@@ -237,89 +348,19 @@ def same_types(eqn, outs, what: str = "replacement"):
     return outs
 
 
-def _rewrite_closed(closed, rules, shared):
-    rw = Rewriter(rules, closed=True, shared=shared)
-    _, outvars = rw.run(closed.jaxpr)
-    if not rw.changed:
-        return closed
-    return _jax.ClosedJaxpr(rw.finish(closed.jaxpr, outvars), list(closed.consts) + rw.new_consts)
-
-
-def _rewrite_open(jaxpr, rules, shared):
-    rw = Rewriter(rules, closed=False, shared=shared)
-    _, outvars = rw.run(jaxpr)
-    return rw.finish(jaxpr, outvars) if rw.changed else jaxpr
-
-
-def map_subjaxprs(eqn, memo: dict, fn: Callable):
-    """`eqn` with every sub-jaxpr parameter (a `ClosedJaxpr`/`Jaxpr`, directly
-    or in a tuple) replaced by `fn(it)`, which must keep its type and input/
-    output types; memoised per object in `memo`, so a sub-jaxpr shared by
-    many equations is rewritten once. The same equation object when `fn`
-    changed nothing."""
-    params = eqn.params
-    if not any(has_jaxpr(p) for p in params.values()):
-        return eqn
-
-    def sub(value):
-        if isinstance(value, tuple):
-            new = tuple(sub(v) for v in value)
-            return value if all(a is b for a, b in zip(new, value)) else new
-        if not (_jax.is_closed_jaxpr(value) or _jax.is_open_jaxpr(value)):
-            return value
-        hit = memo.get(id(value))
-        if hit is None:
-            hit = memo[id(value)] = (value, fn(value))  # keep value alive: its id stays unique
-        return hit[1]
-
-    new = {k: sub(p) for k, p in params.items()}
-    return eqn if all(new[k] is params[k] for k in params) else eqn.replace(params=new)
-
-
 def rewrite(closed, rules: Mapping[str, Rule]):
     """Apply the rule table to `closed` and every sub-jaxpr; returns a new
     ClosedJaxpr (the same object when no rule fired)."""
-    shared = {"memo": {}, "stats": collections.Counter()}
-    out = _rewrite_closed(closed, rules, shared)
-    record_stats(shared["stats"])
+    memo: dict = {}
+    stats: collections.Counter = collections.Counter()
+
+    def sub(j):
+        make = functools.partial(Rewriter, rules, subs=subs, stats=stats)
+        return transform(j, lambda jaxpr, rw: rw.run(jaxpr), make)
+
+    def subs(eqn):
+        return map_subjaxprs(eqn, memo, sub)
+
+    out = sub(closed)
+    record_stats(stats)
     return out
-
-
-def record_stats(counts: Mapping[str, int]) -> None:
-    """Add a pass's match counts to the active `collect_stats()` collector
-    (for passes that do not go through `rewrite`, like `dce`)."""
-    sink = _STATS.get()
-    if sink is not None:
-        sink.update(counts)
-
-
-def iter_eqns(closed_or_jaxpr, *, seen=None):
-    """Every equation, sub-jaxprs included (each distinct sub-jaxpr once)."""
-    jaxpr = closed_or_jaxpr.jaxpr if _jax.is_closed_jaxpr(closed_or_jaxpr) else closed_or_jaxpr
-    seen = set() if seen is None else seen
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if not any(has_jaxpr(p) for p in eqn.params.values()):
-            continue
-        for sub in _jax.jaxprs_in_params(eqn.params):
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                yield from iter_eqns(sub, seen=seen)
-
-
-def count_eqns(closed, primitive: str | None = None) -> int:
-    """Number of equations (of `primitive`, if given), sub-jaxprs included."""
-    return sum(1 for e in iter_eqns(closed) if primitive is None or e.primitive.name == primitive)
-
-
-def uses(jaxpr) -> collections.Counter:
-    """How many times each var is read (equation inputs and outputs)."""
-    c: collections.Counter = collections.Counter()
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if _jax.is_var(v):
-                c[v] += 1
-    for v in jaxpr.outvars:
-        if _jax.is_var(v):
-            c[v] += 1
-    return c

@@ -17,9 +17,11 @@ saves the multiplies (or divides) at the broadcast size.
     reduce_sum over other axes                 -> commute, sink inside
     anything else                              -> leaf: reduce_sum here
 
-It returns None unless at least one factor comes out (otherwise nothing is
-saved). The walk visits at most `MAX_NODES` producers per root, so a rule
-call costs O(1) in the size of the graph. `emit(ctx, plan)` builds it.
+A plan is a tree of the NamedTuples below (`Leaf`, `Neg`, `Add`, `Bcast`,
+`Reshape`, `Reduce`, `Factor`). It returns None unless at least one factor
+comes out (otherwise nothing is saved). The walk visits at most
+`MAX_NODES` producers per root, so a rule call costs O(1) in the size of
+the graph. `emit(ctx, plan)` builds it.
 A size-1 axis counts as constant (summing it is a reshape).
 
 When this preserves `jax.jit`'s results. The conditions, each checked in
@@ -27,7 +29,7 @@ When this preserves `jax.jit`'s results. The conditions, each checked in
 
 * dtype float32 or float64, on every node. A plan has one dtype throughout
   (neg, add, broadcast, reshape and reduce_sum keep it; a mul/div whose
-  operands differ in dtype or that sets `out_dtype` is a leaf).
+  operands differ in dtype or that sets an explicit result dtype is a leaf).
   - Never integers or bool: integer division does not distribute
     (sum([1, 1, 1, 1] // 2) = 0 but sum([1, 1, 1, 1]) // 2 = 2). Wrapping
     integer add and mul would be exact, but a plan is only emitted when a
@@ -69,11 +71,14 @@ Under these conditions the results of jax.jit are preserved as follows:
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
+from jaxbackend.passes import _broadcast
 
 MAX_NODES = 48
 _ADD = frozenset({"add", "add_any", "sub"})
@@ -87,6 +92,48 @@ neg abs add sub mul div max min
 """.split())
 CONST_EQNS = 16
 CONST_SIZE = 1 << 16
+
+
+# -- plan nodes ---------------------------------------------------------------
+
+class Leaf(NamedTuple):          # reduce_sum(atom, axes) stays here
+    atom: Any
+    axes: tuple
+
+
+class Neg(NamedTuple):           # -sum(child)
+    child: Any
+
+
+class Add(NamedTuple):           # sum(a) + sum(b) (or -, by `name`)
+    name: str
+    a: Any
+    b: Any
+
+
+class Bcast(NamedTuple):         # broadcast_in_dim(child, out_shape, dims)
+    child: Any
+    out_shape: tuple
+    dims: tuple
+
+
+class Reshape(NamedTuple):       # a reshape adding/dropping size-1 dims
+    child: Any
+    out_shape: tuple
+
+
+class Reduce(NamedTuple):        # reduce_sum(child, other): the commuted sum
+    child: Any
+    other: tuple
+
+
+class Factor(NamedTuple):        # sum(child) * f or / f, f the factor squeezed
+    name: str                    # "mul" or "div"
+    child: Any
+    factor: tuple                # (x, dims): f = broadcast(x); dims None: f is the scalar x
+    fshape: tuple                # shape of the factor operand
+    axes: tuple                  # the summed axes
+    var_first: bool              # was the summed operand the left one?
 
 
 def constant_value(producer, atom, consts):
@@ -105,7 +152,7 @@ def _constant(producer, atom, consts, budget):
     if atom in consts:
         value = consts[atom]
         # a const captured from an enclosing trace is a tracer: not known here
-        return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
+        return None if _jax.is_tracer(value) else np.asarray(value)
     eqn = producer(atom)
     budget[0] -= 1
     if (eqn is None or budget[0] < 0 or eqn.primitive.name not in CONST_PRIMITIVES
@@ -132,18 +179,6 @@ def safe_factor(value, dtype) -> bool:
     return bool(np.all(np.isfinite(mag)) and np.all(mag >= np.finfo(dtype).tiny))
 
 
-def _const_along(producer, atom, axes):
-    """(x, dims) if atom = broadcast(x) is constant along every axis in axes."""
-    from jaxbackend.passes.hoist_broadcast import _source
-
-    x, dims, s = _source(producer, atom)
-    xs = x.aval.shape
-    real = {d for j, d in enumerate(dims) if xs[j] == s[d] and s[d] > 1}
-    if any(a in real for a in axes):
-        return None
-    return x, dims
-
-
 def _size1_reshape_map(in_shape, out_shape):
     """Axis map in->out for a reshape that only inserts/removes size-1 dims."""
     big_in = [i for i, n in enumerate(in_shape) if n != 1]
@@ -159,19 +194,18 @@ def plan(producer, atom, axes, value=None):
     it no factor is known, so nothing sinks."""
     budget = [MAX_NODES]
     node = _plan(producer, atom, tuple(sorted(axes)), budget, value or (lambda a: None))
-    return node if node is not None and node[0] != "leaf" and _useful(node) else None
+    return node if not isinstance(node, Leaf) and _useful(node) else None
 
 
 def _useful(node) -> bool:
     """Does the plan factor anything out (else it saves nothing)?"""
-    kind = node[0]
-    if kind == "factor":
+    if isinstance(node, Factor):
         return True
-    if kind == "leaf":
+    if isinstance(node, Leaf):
         return False
-    if kind == "add":
-        return _useful(node[2]) or _useful(node[3])
-    return _useful(node[1])  # neg, bcast, reshape, reduce: one child
+    if isinstance(node, Add):
+        return _useful(node.a) or _useful(node.b)
+    return _useful(node.child)  # Neg, Bcast, Reshape, Reduce: one child
 
 
 def _fits(op_shape, shape) -> bool:
@@ -182,7 +216,7 @@ def _fits(op_shape, shape) -> bool:
 
 
 def _plan(producer, atom, axes, budget, value):
-    leaf = ("leaf", atom, axes)
+    leaf = Leaf(atom, axes)
     budget[0] -= 1
     dtype = atom.aval.dtype
     if budget[0] <= 0 or not axes or dtype not in SINK_DTYPES:
@@ -195,105 +229,104 @@ def _plan(producer, atom, axes, budget, value):
     if ones:  # summing a size-1 axis is a reshape: sum the others, then drop these
         big = tuple(a for a in axes if shape[a] != 1)
         out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-        return ("reshape", _plan(producer, atom, big, budget, value), out_shape)
-    if (name in ("mul", "div") and eqn.params.get("out_dtype") is None
+        return Reshape(_plan(producer, atom, big, budget, value), out_shape)
+    if (name in ("mul", "div") and not _jax.has_out_dtype(eqn)
             and all(_fits(v.aval.shape, shape) and v.aval.dtype == dtype for v in eqn.invars)):
         a, b = eqn.invars
         sides = [(a, b)] if name == "div" else [(a, b), (b, a)]
         for var, fac in sides:
             if var.aval.shape != shape:
                 continue
-            c = (fac, None) if fac.aval.shape == () else _const_along(producer, fac, axes)
+            c = ((fac, None) if fac.aval.shape == ()
+                 else _broadcast.const_along(producer, fac, axes))
             # only a compile-time, finite, normal factor (module doc)
             if c is not None and safe_factor(value(c[0]), dtype):
-                return ("factor", name, _plan(producer, var, axes, budget, value), c,
-                        tuple(fac.aval.shape), axes, var is eqn.invars[0])
+                return Factor(name, _plan(producer, var, axes, budget, value), c,
+                              tuple(fac.aval.shape), axes, var is eqn.invars[0])
         return leaf
     if name == "neg":
-        return ("neg", _plan(producer, eqn.invars[0], axes, budget, value))
+        return Neg(_plan(producer, eqn.invars[0], axes, budget, value))
     if name in _ADD and all(v.aval.shape == shape for v in eqn.invars):
-        return ("add", name, _plan(producer, eqn.invars[0], axes, budget, value),
-                _plan(producer, eqn.invars[1], axes, budget, value))
+        return Add(name, _plan(producer, eqn.invars[0], axes, budget, value),
+                   _plan(producer, eqn.invars[1], axes, budget, value))
     if name == "broadcast_in_dim" and len(eqn.invars) == 1:
         x = eqn.invars[0]
-        dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+        dims = _jax.broadcast_dimensions(eqn)
         inv = {d: j for j, d in enumerate(dims)}
         if all(a in inv and x.aval.shape[inv[a]] == shape[a] for a in axes):
             x_axes = tuple(sorted(inv[a] for a in axes))
             out_axes = [a for a in range(len(shape)) if a not in axes]
             out_shape = tuple(shape[a] for a in out_axes)
             new_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
-            return ("bcast", _plan(producer, x, x_axes, budget, value), out_shape, new_dims)
+            return Bcast(_plan(producer, x, x_axes, budget, value), out_shape, new_dims)
         return leaf
-    if name == "reshape" and eqn.params.get("dimensions") is None and len(eqn.invars) == 1:
+    if name == "reshape" and not _jax.reshape_transposes(eqn) and len(eqn.invars) == 1:
         x = eqn.invars[0]
         m = _size1_reshape_map(tuple(x.aval.shape), shape)
         if m is not None and all(a in m or shape[a] == 1 for a in axes):
             x_axes = tuple(sorted(m[a] for a in axes if a in m))
             out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-            return ("reshape", _plan(producer, x, x_axes, budget, value), out_shape)
+            return Reshape(_plan(producer, x, x_axes, budget, value), out_shape)
         return leaf
     if name == "reduce_sum":
         x = eqn.invars[0]
-        other = tuple(int(a) for a in eqn.params["axes"])
+        other = tuple(int(a) for a in _jax.reduce_axes(eqn))
         kept = [a for a in range(len(x.aval.shape)) if a not in other]
         x_axes = tuple(sorted(kept[a] for a in axes))
         # after summing x_axes first, the `other` axes shift down
         rest = [a for a in range(len(x.aval.shape)) if a not in x_axes]
-        return ("reduce", _plan(producer, x, x_axes, budget, value),
-                tuple(rest.index(a) for a in other))
+        return Reduce(_plan(producer, x, x_axes, budget, value),
+                      tuple(rest.index(a) for a in other))
     return leaf
 
 
 def _op(ctx, name, fn, args, *key):
     # lax functions (not raw binds): they fill every parameter a primitive
-    # expects in this JAX version (e.g. `out_dtype` of binary ops in 0.10).
+    # expects in this JAX version (e.g. the result dtype of binary ops).
     return ctx.emit(fn, args, ("sink", name) + key)[0]
 
 
 def emit(ctx, node):
-    kind = node[0]
-    if kind == "leaf":
-        _, atom, axes = node
+    """Build the plan `node` with `ctx`'s builder; returns its atom."""
+    if isinstance(node, Leaf):
+        atom, axes = node
         if not axes:
             return atom
         shape = tuple(n for a, n in enumerate(atom.aval.shape) if a not in axes)
         if all(atom.aval.shape[a] == 1 for a in axes):
             return _op(ctx, "reshape", lambda x: lax.reshape(x, shape), [atom], shape)
         return _op(ctx, "sum", lambda x: lax.reduce_sum(x, axes), [atom], axes)
-    if kind == "neg":
-        return _op(ctx, "neg", lax.neg, [emit(ctx, node[1])])
-    if kind == "add":
-        _, name, a, b = node
-        fn = lax.sub if name == "sub" else lax.add
-        return _op(ctx, fn.__name__, fn, [emit(ctx, a), emit(ctx, b)])
-    if kind == "bcast":
-        _, child, out_shape, dims = node
-        x = emit(ctx, child)
+    if isinstance(node, Neg):
+        return _op(ctx, "neg", lax.neg, [emit(ctx, node.child)])
+    if isinstance(node, Add):
+        fn = lax.sub if node.name == "sub" else lax.add
+        return _op(ctx, fn.__name__, fn, [emit(ctx, node.a), emit(ctx, node.b)])
+    if isinstance(node, Bcast):
+        out_shape, dims = node.out_shape, node.dims
+        x = emit(ctx, node.child)
         if tuple(x.aval.shape) == out_shape and dims == tuple(range(len(out_shape))):
             return x
         return _op(ctx, "bcast", lambda v: lax.broadcast_in_dim(v, out_shape, dims), [x],
                    out_shape, dims)
-    if kind == "reshape":
-        _, child, out_shape = node
-        x = emit(ctx, child)
+    if isinstance(node, Reshape):
+        out_shape = node.out_shape
+        x = emit(ctx, node.child)
         if tuple(x.aval.shape) == out_shape:
             return x
         return _op(ctx, "reshape", lambda v: lax.reshape(v, out_shape), [x], out_shape)
-    if kind == "reduce":
-        _, child, other = node
-        x = emit(ctx, child)
+    if isinstance(node, Reduce):
+        other = node.other
+        x = emit(ctx, node.child)
         return _op(ctx, "sum", lambda v: lax.reduce_sum(v, other), [x], other) if other else x
-    _, name, child, (fx, fdims), fshape, axes, var_first = node
-    from jaxbackend.passes.hoist_broadcast import _squeeze_to
-
-    s = emit(ctx, child)
+    name, fshape, axes = node.name, node.fshape, node.axes   # a Factor
+    (fx, fdims) = node.factor
+    s = emit(ctx, node.child)
     keep = tuple(a for a in range(len(fshape)) if a not in axes)
     if fdims is None:  # a scalar factor
         f = fx
     else:  # the factor without the summed axes (its own size-1 dims kept)
-        f = _op(ctx, "factor", lambda x: _squeeze_to(x, fdims, keep, fshape), [fx],
+        f = _op(ctx, "factor", lambda x: _broadcast.squeeze_to(x, fdims, keep, fshape), [fx],
                 fdims, keep, fshape)
     fn = lax.mul if name == "mul" else lax.div
-    args = [s, f] if var_first or name == "div" else [f, s]
+    args = [s, f] if node.var_first or name == "div" else [f, s]
     return _op(ctx, name, fn, args)

@@ -1,8 +1,9 @@
 """Structural keys: what an equation computes, never its printed text.
 
-`StructuralKeys` gives equation parameters and (sub-)jaxprs hashable keys by
-structure, shared by `reroll` (matching layers) and `cse` (merging equal
-equations); see the class docstring for what is compared how.
+`StructuralKeys` gives equation parameters (read through `_jax.param_items`)
+and (sub-)jaxprs hashable keys by structure, shared by `reroll` (matching
+layers) and `cse` (merging equal equations); see the class docstring for
+what is compared how.
 """
 
 from __future__ import annotations
@@ -11,17 +12,6 @@ import jax
 import numpy as np
 
 from jaxbackend import _jax
-
-_JAXPR_TYPES = (_jax.ClosedJaxpr, _jax.Jaxpr)
-
-
-def has_jaxpr(p) -> bool:
-    """Does a parameter value hold a (Closed)Jaxpr, directly or in a tuple?"""
-    # Fast path: most parameters are ints, dtypes or tuples of ints.
-    if isinstance(p, _JAXPR_TYPES):
-        return True
-    return type(p) is tuple and any(isinstance(q, _JAXPR_TYPES) for q in p)
-
 
 _PLAIN = frozenset({int, str, type(None)})   # keyed as themselves
 
@@ -71,19 +61,20 @@ class StructuralKeys:
         """Interned structural key of a Jaxpr or ClosedJaxpr."""
         hit = self._jaxprs.get(id(j))
         if hit is None:
-            if _jax.is_closed_jaxpr(j):
-                key = ("closed", self.jaxpr(j.jaxpr), tuple(self.value(c) for c in j.consts))
+            jaxpr, consts = _jax.jaxpr_parts(j)
+            if consts is not None:
+                key = ("closed", self.jaxpr(jaxpr), tuple(self.value(c) for c in consts))
             else:
-                key = self._open(j)
+                key = self._open(jaxpr)
             hit = self._jaxprs[id(j)] = (self._intern.setdefault(key, len(self._intern)), j)
         return hit[0]
 
     def params(self, eqn) -> tuple:
         """Key of an equation's parameters (plus its context)."""
-        custom_jvp = eqn.primitive.name == "custom_jvp_call"
+        rule = _jax.custom_jvp_rule_fun(eqn)
         return (_jax.eqn_context(eqn),) + tuple(
-            (k, self._jvp_rule(eqn, v) if custom_jvp and k == "jvp_jaxpr_fun" else self(v))
-            for k, v in sorted(eqn.params.items()))
+            (k, self._jvp_rule(eqn, v) if rule is not None and v is rule else self(v))
+            for k, v in _jax.param_items(eqn))
 
     def literal(self, lit) -> tuple:
         return ("lit", lit.aval) + self.value(lit.val)[1:]
@@ -95,15 +86,13 @@ class StructuralKeys:
     def weight(self, eqn) -> int:
         """1 + the equations inside its sub-jaxprs (a remat of a whole layer
         weighs the layer, not 1)."""
-        if not any(has_jaxpr(p) for p in eqn.params.values()):
-            return 1
-        return 1 + sum(self._jaxpr_weight(s) for s in _jax.jaxprs_in_params(eqn.params))
+        return 1 + sum(self._jaxpr_weight(s) for s in _jax.sub_jaxprs(eqn))
 
     def value(self, x) -> tuple:
         """Key of an array or scalar value: dtype, shape, bytes; identity for
         tracers, unconvertible or large values."""
         size = getattr(x, "size", 1)
-        if (isinstance(x, jax.core.Tracer) or not isinstance(size, int)
+        if (_jax.is_tracer(x) or not isinstance(size, int)
                 or size * 16 > self.VALUE_BYTES):    # (16: the widest element, complex128)
             return self._identity(x)
         try:
@@ -125,8 +114,8 @@ class StructuralKeys:
             if set(map(type, x)) <= _PLAIN:         # fast path: axes, shapes, dim names
                 return x
             return tuple(self(y) for y in x)
-        if _jax.is_closed_jaxpr(x) or _jax.is_open_jaxpr(x):
-            return ("jaxpr", self.jaxpr(x))
+        if _jax.is_jaxpr(x):
+            return ("sub", self.jaxpr(x))
         if _jax.is_function_param(x):
             return self._identity(x)
         if isinstance(x, np.integer):
@@ -200,7 +189,7 @@ class StructuralKeys:
             self._stack.pop()
 
     def _jaxpr_weight(self, j) -> int:
-        j = j.jaxpr if _jax.is_closed_jaxpr(j) else j
+        j = _jax.open_jaxpr(j)
         hit = self._weights.get(id(j))
         if hit is None:
             hit = self._weights[id(j)] = (sum(self.weight(e) for e in j.eqns), j)

@@ -30,11 +30,6 @@ import functools
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
 
-# Primitives that must not be merged even without declared effects: each
-# call is meant to be distinct (`remat`'s prevent_cse, random key splits are
-# pure and may merge; optimization barriers must not).
-_NEVER = frozenset({"optimization_barrier", "remat", "checkpoint", "remat2", "random_seed",
-                    "random_wrap", "rng_uniform", "rng_bit_generator"})
 
 
 def _key(keys, eqn):
@@ -43,7 +38,9 @@ def _key(keys, eqn):
     function-valued parameter, such as a custom_vjp `bwd` or a callback, by
     identity), never by printed text; inputs are the variables themselves,
     literals by aval and bytes (0.0 and -0.0, NaN payloads, differ)."""
-    if eqn.effects or eqn.primitive.name in _NEVER:
+    # `_jax.NEVER_CSE`: each call meant to be distinct (remat's prevent_cse,
+    # optimization barriers; random key splits are pure and may merge)
+    if eqn.effects or eqn.primitive.name in _jax.NEVER_CSE:
         return None
     return (eqn.primitive, tuple(keys.atom(a) for a in eqn.invars), keys.params(eqn))
 
@@ -71,17 +68,13 @@ def cse(closed):
 
 
 def remaining(closed) -> int:
-    """Duplicate equations left (same key as an earlier one in its jaxpr)."""
-    from jaxbackend import _jax as jx
-
+    """Duplicate equations left (same `_key` as an earlier one in its jaxpr)."""
     n, keys = 0, _rewrite.StructuralKeys()
-    jaxprs = [closed.jaxpr] + [s for e in _rewrite.iter_eqns(closed)
-                               for s in jx.jaxprs_in_params(e.params)]
-    for jaxpr in jaxprs:
+    for jaxpr in _rewrite.iter_jaxprs(closed):
         seen = set()
         for eqn in jaxpr.eqns:
             key = _key(keys, eqn)
-            if key is not None and not any(jx.is_dropvar(v) for v in eqn.outvars):
+            if key is not None and not any(_jax.is_dropvar(v) for v in eqn.outvars):
                 n += key in seen
                 seen.add(key)
     return n

@@ -20,18 +20,23 @@ output is computed by the same equations from the same inputs, with the
 same shapes, dtypes and weak types. (An unread equation that would have
 overflowed or produced nan cannot change an output: nothing reads it.)
 
-This is not a rule table: liveness flows backwards, which the forward
-traversal of `_rewrite` cannot express, so it has its own small walker that
-recurses into the same sub-jaxpr parameters.
+Not a rule table: liveness flows backwards, which the forward rule driver
+cannot express. The backward sweep runs under the shared traversal instead
+(`_rewrite.transform` per jaxpr, `_rewrite.map_subjaxprs` into sub-jaxprs,
+once per distinct object).
 """
 
 from __future__ import annotations
+
+import collections
 
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
 
 
-def _dce_open(jaxpr, memo, stats):
+def _sweep(jaxpr, b, subs, stats):
+    """One backward sweep over `jaxpr` into builder `b`: the new outvars, or
+    None when nothing changed (no equation, sub-jaxpr or const dropped)."""
     live = {v for v in jaxpr.outvars if _jax.is_var(v)}
     kept = []
     changed = False
@@ -40,65 +45,33 @@ def _dce_open(jaxpr, memo, stats):
             changed = True
             stats["dead removed"] += 1
             continue
-        new_params = _dce_params(eqn.params, memo, stats)
-        if new_params is not None:
-            eqn = eqn.replace(params=new_params)
-            changed = True
-        kept.append(eqn)
-        for v in eqn.invars:
+        new = subs(eqn)
+        changed |= new is not eqn
+        kept.append(new)
+        for v in new.invars:
             if _jax.is_var(v):
                 live.add(v)
+    if b.closed:   # an open jaxpr's constvars are its caller's
+        b.dropped_constvars.update(v for v in jaxpr.constvars if v not in live)
+        changed |= bool(b.dropped_constvars)
     if not changed:
-        return jaxpr, live
-    kept.reverse()
-    return _jax.jaxpr_with(jaxpr, eqns=kept), live
-
-
-def _dce_params(params, memo, stats):
-    new = {}
-    changed = False
-    for k, p in params.items():
-        q = _dce_value(p, memo, stats) if _rewrite.has_jaxpr(p) else p
-        changed |= q is not p
-        new[k] = q
-    return new if changed else None
-
-
-def _dce_value(p, memo, stats):
-    if isinstance(p, tuple):
-        new = tuple(_dce_value(x, memo, stats) for x in p)
-        return p if all(a is b for a, b in zip(new, p)) else new
-    if _jax.is_closed_jaxpr(p) or _jax.is_open_jaxpr(p):
-        hit = memo.get(id(p))
-        if hit is None:
-            hit = (p, _dce_any(p, memo, stats))
-            memo[id(p)] = hit
-        return hit[1]
-    return p
-
-
-def _dce_any(j, memo, stats):
-    if _jax.is_closed_jaxpr(j):
-        return _dce_closed(j, memo, stats)
-    new, _ = _dce_open(j, memo, stats)
-    return new
-
-
-def _dce_closed(closed, memo, stats):
-    jaxpr, live = _dce_open(closed.jaxpr, memo, stats)
-    keep = [i for i, v in enumerate(jaxpr.constvars) if v in live]
-    if jaxpr is closed.jaxpr and len(keep) == len(jaxpr.constvars):
-        return closed
-    constvars = [jaxpr.constvars[i] for i in keep]
-    consts = [closed.consts[i] for i in keep]
-    return _jax.ClosedJaxpr(_jax.jaxpr_with(jaxpr, constvars=constvars), consts)
+        return None
+    for eqn in reversed(kept):
+        b.append(eqn)
+    return list(jaxpr.outvars)
 
 
 def dce(closed):
     """Remove dead effect-free equations everywhere (see module doc)."""
-    import collections
+    memo: dict = {}
+    stats: collections.Counter = collections.Counter()
 
-    stats = collections.Counter()
-    out = _dce_closed(closed, {}, stats)
+    def sub(j):
+        return _rewrite.transform(j, lambda jaxpr, b: _sweep(jaxpr, b, subs, stats))
+
+    def subs(eqn):
+        return _rewrite.map_subjaxprs(eqn, memo, sub)
+
+    out = sub(closed)
     _rewrite.record_stats(stats)
     return out

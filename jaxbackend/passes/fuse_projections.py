@@ -21,21 +21,21 @@ Invariant established: `remaining(closed) == 0`: no F chain and no W chain
 anywhere (sub-jaxprs included). The flattening reshapes become dead when
 nothing else reads them; `dce` removes them.
 
-Leaves alone (conservative matchers): reshapes with `dimensions` set, any
+Leaves alone (conservative matchers): reshapes that also transpose, any
 flatten that is not exactly `[*batch, K] -> [prod(batch), K]` with rank >= 3,
 an unflatten whose batch dims differ from the flatten's, dot_generals with
-batch dimensions or a weight that is not rank 2, an F chain whose dot has
-an `out_sharding` or whose unflatten has a `sharding` (both name the 2-D
-shape, which the fused contraction does not have), and everything else.
+batch dimensions or a weight that is not rank 2, an F chain whose dot or
+unflatten carries an explicit output sharding (it names the 2-D shape,
+which the fused contraction does not have), and everything else.
 
 When it preserves `jax.jit`'s results. The fused contraction multiplies the
 same pairs of elements and sums, for each output element, the same K (F) or
 M (W) products as the 2-D dot did: the reshapes only regroup indices and
-never convert. It takes the dot's `precision` and `preferred_element_type`
-unchanged (so the same algorithm class and accumulation dtype) and the
+never convert. It takes the dot's precision and accumulation dtype
+unchanged (`_jax.dot_options`) (so the same algorithm class and accumulation dtype) and the
 same operand dtypes (x, w, g themselves). Hence:
 
-* integers (int8 with `preferred_element_type=int32` included): exactly,
+* integers (int8 accumulated in int32 included): exactly,
   overflow included: the sum is accumulated in the same dtype, and
   wrapping addition is associative and commutative, so the order XLA picks
   for either dot does not matter;
@@ -51,9 +51,8 @@ from __future__ import annotations
 
 import math
 
-from jax import lax
-
 from jaxbackend import _jax
+from jaxbackend.named._einsum import einsum
 from jaxbackend.passes import _rewrite
 
 
@@ -62,7 +61,7 @@ def _flattened(ctx_producer, atom):
     eqn = ctx_producer(atom)
     if eqn is None or eqn.primitive.name != "reshape" or len(eqn.invars) != 1:
         return None
-    if eqn.params.get("dimensions") is not None:
+    if _jax.reshape_transposes(eqn):
         return None
     x = eqn.invars[0]
     shape = tuple(x.aval.shape)
@@ -74,7 +73,7 @@ def _flattened(ctx_producer, atom):
 
 
 def _is_plain_2d_dot(eqn, lhs_contract, rhs_contract):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _jax.dot_dimension_numbers(eqn)
     return (tuple(lb) == () and tuple(rb) == () and tuple(lc) == (lhs_contract,)
             and len(eqn.invars[0].aval.shape) == 2 and len(eqn.invars[1].aval.shape) == 2
             and tuple(rc) == (rhs_contract,))
@@ -82,12 +81,12 @@ def _is_plain_2d_dot(eqn, lhs_contract, rhs_contract):
 
 def _match_forward(producer, eqn):
     """F: eqn is the unflattening reshape. Returns (x, w, c, dot) or None."""
-    if (eqn.params.get("dimensions") is not None or len(eqn.invars) != 1
-            or eqn.params.get("sharding") is not None):
+    if (_jax.reshape_transposes(eqn) or len(eqn.invars) != 1
+            or _jax.has_sharding_annotation(eqn)):
         return None
     dot = producer(eqn.invars[0])
     if (dot is None or dot.primitive.name != "dot_general"
-            or dot.params.get("out_sharding") is not None):
+            or _jax.has_sharding_annotation(dot)):
         return None
     w = dot.invars[1]
     c = next((c for c in (0, 1) if _is_plain_2d_dot(dot, 1, c)), None)
@@ -117,25 +116,21 @@ def _match_weight_grad(producer, eqn):
 def _names(producer, atom):
     eqn = producer(atom)
     if eqn is not None and eqn.primitive.name == "einsum":
-        return tuple(eqn.params["out_dims"])
+        return _jax.einsum_dims(eqn)[2]
     return None
 
 
-
 def _emit(ctx, x, y, lhs_c, rhs_c, dot, names):
-    # precision and preferred_element_type carried over: same algorithm
-    # class and accumulation dtype as the 2-D dot (module doc)
-    precision = dot.params.get("precision")
-    pet = dot.params.get("preferred_element_type")
+    # the dot's precision and accumulation dtype carried over: same
+    # algorithm class and accumulation dtype as the 2-D dot (module doc)
     if names is not None:
-        from jaxbackend.named._einsum import einsum_p
-
         lhs_dims, rhs_dims, out_dims = names
-        return ctx.bind(einsum_p, [x, y], lhs_dims=lhs_dims, rhs_dims=rhs_dims,
-                        out_dims=out_dims, precision=precision, preferred_element_type=pet)
+        opts = _jax.dot_options(dot)
+        key = ("fuse.einsum", names, _jax.params_key(opts))
+        return ctx.emit(lambda a, b: einsum(a, b, lhs_dims=lhs_dims, rhs_dims=rhs_dims,
+                                            out_dims=out_dims, **opts), [x, y], key)
     dn = ((tuple(lhs_c), tuple(rhs_c)), ((), ()))
-    return ctx.bind(lax.dot_general_p, [x, y], dimension_numbers=dn, precision=precision,
-                    preferred_element_type=pet, out_sharding=dot.params.get("out_sharding"))
+    return ctx.bind(dot.primitive, [x, y], **_jax.dot_general_params(dot, dn))
 
 
 def _forward_rule(ctx, eqn):
@@ -164,8 +159,8 @@ def _weight_grad_rule(ctx, eqn):
     xn, gn = _names(ctx.producer, x), _names(ctx.producer, g)
     if (xn is not None and gn is not None and xn[:-1] == gn[:-1] and xn[-1] != gn[-1]):
         names = (xn, gn, (xn[-1], gn[-1]))
-    out = _rewrite.same_types(eqn, _emit(ctx, x, g, tuple(range(r - 1)), tuple(range(r - 1)), eqn, names),
-                              "fused contraction")
+    batch = tuple(range(r - 1))
+    out = _rewrite.same_types(eqn, _emit(ctx, x, g, batch, batch, eqn, names), "fused contraction")
     ctx.count("weight-grad chain fused")
     return out
 
@@ -179,21 +174,14 @@ def fuse_projections(closed):
 
 
 def remaining(closed) -> int:
-    """Number of F and W chains left, sub-jaxprs included."""
+    """Number of F and W chains left, sub-jaxprs included (the equations the
+    rules' matchers accept)."""
     total = 0
-    jaxprs = [closed.jaxpr] + [e for e in _iter_subjaxprs(closed)]
-    for jaxpr in jaxprs:
-        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-        get = lambda a, producer=producer: producer.get(a) if _jax.is_var(a) else None  # noqa: E731
+    for jaxpr in _rewrite.iter_jaxprs(closed):
+        producer = _rewrite.Producers(jaxpr.eqns)
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "reshape" and _match_forward(get, eqn) is not None:
+            if eqn.primitive.name == "reshape" and _match_forward(producer, eqn) is not None:
                 total += 1
-            elif _match_weight_grad(get, eqn) is not None:
+            elif _match_weight_grad(producer, eqn) is not None:
                 total += 1
     return total
-
-
-def _iter_subjaxprs(closed):
-    for eqn in _rewrite.iter_eqns(closed):
-        for sub in _jax.jaxprs_in_params(eqn.params):
-            yield sub

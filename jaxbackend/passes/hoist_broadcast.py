@@ -30,8 +30,8 @@ producers per sum) and is not part of the counted invariant.
 Leaves alone: ops with any operand that is not a broadcast or a scalar
 (e.g. `y * v_hat` where y is real data), reductions that touch a created
 axis (they would need a multiply), broadcasts with dynamic shapes, ops and
-reductions with an explicit `sharding`/`out_sharding` parameter (it names
-the broadcast shape, not the smaller one), and everything else.
+reductions with an explicit output sharding (it names the broadcast
+shape, not the smaller one), and everything else.
 
 When it preserves `jax.jit`'s results, rule by rule:
 
@@ -54,107 +54,44 @@ When it preserves `jax.jit`'s results, rule by rule:
 
 Checked for every rule: a replacement whose shape, dtype or weak type
 differs from the equation it replaces is declined (`_rewrite.same_types`).
+
+The matchers (what may move) are in `_broadcast`, shared with `remaining`;
+this module emits.
 """
 
 from __future__ import annotations
 
 import functools
 
-from jax import lax
-
 from jaxbackend import _jax
-from jaxbackend.passes import _rewrite, _sink_sum
+from jaxbackend.passes import _broadcast, _rewrite, _sink_sum
 
-ELEMENTWISE = frozenset("""
-neg exp exp2 log log1p expm1 sqrt rsqrt cbrt tanh logistic sin cos tan asin acos atan
-sinh cosh asinh acosh atanh abs sign floor ceil round integer_pow square
-convert_element_type erf erfc erf_inv lgamma digamma not is_finite reduce_precision
-add sub mul div max min pow atan2 rem and or xor eq ne lt le gt ge add_any nextafter
-select_n
-""".split())
-REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
-
-
-def _source(producer, atom):
-    """(x, dims, S) with atom = broadcast_in_dim(x, S, dims), else (atom, id, shape)."""
-    eqn = producer(atom)
-    shape = tuple(atom.aval.shape)
-    if (eqn is not None and eqn.primitive.name == "broadcast_in_dim"
-            and len(eqn.invars) == 1):
-        return eqn.invars[0], tuple(int(d) for d in eqn.params["broadcast_dimensions"]), shape
-    return atom, tuple(range(len(shape))), shape
-
-
-def _real_axes(x, dims, shape) -> set:
-    xs = x.aval.shape
-    return {d for j, d in enumerate(dims) if xs[j] == shape[d]}
-
-
-def _broadcast(x, shape, dims):
-    if tuple(x.shape) == tuple(shape) and tuple(dims) == tuple(range(len(shape))):
-        return x
-    return lax.broadcast_in_dim(x, shape, dims)
-
-
-def _squeeze_to(x, dims, keep_axes, shape):
-    """x broadcast over `shape` restricted to `keep_axes` (sorted S axes)."""
-    pos = {a: i for i, a in enumerate(keep_axes)}
-    kept = [j for j, d in enumerate(dims) if d in pos]
-    if len(kept) != len(dims):  # dropped dims are size 1 (created axes)
-        x = lax.reshape(x, tuple(x.shape[j] for j in kept))
-    return _broadcast(x, tuple(shape[a] for a in keep_axes), tuple(pos[dims[j]] for j in kept))
-
-
-def _sharded(params) -> bool:
-    """An explicit output sharding, which is for the full (broadcast) shape."""
-    return any(params.get(k) is not None for k in ("sharding", "out_sharding"))
-
+# Re-exported: the primitive classes this pass hoists (`_jax` taxonomy).
+ELEMENTWISE = _jax.ELEMENTWISE
+REDUCTIONS = _jax.REDUCTIONS
 
 
 def _elementwise_rule(ctx, eqn):
-    shape = tuple(eqn.outvars[0].aval.shape)
-    if len(eqn.outvars) != 1 or not shape or _sharded(eqn.params):
+    m = _broadcast.match_elementwise(ctx.producer, eqn)
+    if m is None:
         return None
-    sources = []
-    for a in eqn.invars:
-        if not a.aval.shape:  # scalar operand (literal or rank 0)
-            sources.append(None)
-            continue
-        x, dims, s = _source(ctx.producer, a)
-        if s != shape and len(s) != len(shape):
-            return None
-        # an operand of equal rank may rely on implicit size-1 broadcasting
-        sources.append((x, dims, s))
-    real = set()
-    for src in sources:
-        if src is not None:
-            x, dims, s = src
-            real |= {d for d in _real_axes(x, dims, s) if s[d] == shape[d]}
-    created = [a for a in range(len(shape)) if a not in real and shape[a] > 1]
-    if not created:
-        return None
-    keep = tuple(a for a in range(len(shape)) if a not in created)
-    prim, params = eqn.primitive, dict(eqn.params)
-    args = [a if src is None else src[0] for a, src in zip(eqn.invars, sources)]
-    layout = tuple(None if src is None else src[1] for src in sources)
+    prim, kw = eqn.primitive, _jax.eqn_params(eqn)
+    keep, shape, layout = m.keep, m.shape, m.layout
 
     def fn(*xs):
-        ops = [x if lay is None else _squeeze_to(x, lay, keep, shape)
+        ops = [x if lay is None else _broadcast.squeeze_to(x, lay, keep, shape)
                for x, lay in zip(xs, layout)]
-        return _broadcast(prim.bind(*ops, **params), shape, keep)
+        return _broadcast.broadcast(prim.bind(*ops, **kw), shape, keep)
 
-    try:
-        key = ("hoist", prim, tuple(sorted(params.items())), layout, shape)
-        hash(key)
-    except TypeError:
-        key = None
-    out = _rewrite.same_types(eqn, ctx.emit(fn, args, key))
+    pk = _jax.params_key(kw)
+    key = None if pk is None else ("hoist", prim, pk, layout, shape)
+    out = _rewrite.same_types(eqn, ctx.emit(fn, m.args, key))
     ctx.count(f"hoisted {prim.name}")
     return out
 
 
 def _reduction_rule(ctx, eqn, consts=None):
-    if _sharded(eqn.params):
+    if _jax.has_sharding_annotation(eqn):
         return None
     out = _hoist_reduction(ctx, eqn)
     if out is None and eqn.primitive.name == "reduce_sum":
@@ -168,27 +105,17 @@ def _reduction_rule(ctx, eqn, consts=None):
 
 
 def _hoist_reduction(ctx, eqn):
-    x, dims, s = _source(ctx.producer, eqn.invars[0])
-    if x is eqn.invars[0]:
+    m = _broadcast.match_reduction(ctx.producer, eqn)
+    if m is None:
         return None
-    axes = tuple(int(a) for a in eqn.params["axes"])
-    real = _real_axes(x, dims, s)
-    if not all(a in real for a in axes):
-        return None
-    if not any(a not in real and s[a] > 1 for a in range(len(s))):
-        return None  # nothing repeated: no work to save
-    inv = {d: j for j, d in enumerate(dims)}
-    x_axes = tuple(sorted(inv[a] for a in axes))
-    out_axes = [a for a in range(len(s)) if a not in axes]
-    out_shape = tuple(s[a] for a in out_axes)
-    remaining_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
-    prim, params = eqn.primitive, dict(eqn.params, axes=x_axes)
+    prim, kw = eqn.primitive, _jax.reduce_params(eqn, m.x_axes)
+    out_shape, out_dims = m.out_shape, m.out_dims
 
     def fn(x):
-        return _broadcast(prim.bind(x, **params), out_shape, remaining_dims)
+        return _broadcast.broadcast(prim.bind(x, **kw), out_shape, out_dims)
 
-    key = ("hoist-reduce", prim, tuple(sorted(params.items())), dims, s)
-    out = _rewrite.same_types(eqn, ctx.emit(fn, [x], key))
+    key = ("hoist-reduce", prim, _jax.params_key(kw), m.source.dims, m.source.shape)
+    out = _rewrite.same_types(eqn, ctx.emit(fn, [m.x], key))
     ctx.count(f"hoisted {prim.name}")
     return out
 
@@ -199,11 +126,10 @@ def _compose_rule(ctx, eqn):
     inner = ctx.producer(eqn.invars[0])
     if inner is None or inner.primitive.name != "broadcast_in_dim" or len(inner.invars) != 1:
         return None
-    outer_dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
-    dims = tuple(outer_dims[d] for d in inner.params["broadcast_dimensions"])
-    shape = tuple(eqn.params["shape"])
-    out = _rewrite.same_types(eqn, ctx.bind(lax.broadcast_in_dim_p, [inner.invars[0]], shape=shape,
-                                    broadcast_dimensions=dims, sharding=eqn.params.get("sharding")))
+    outer_dims = _jax.broadcast_dimensions(eqn)
+    dims = tuple(outer_dims[d] for d in _jax.broadcast_dimensions(inner))
+    out = _rewrite.same_types(eqn, ctx.bind(eqn.primitive, [inner.invars[0]],
+                                            **_jax.broadcast_params(eqn, dims)))
     ctx.count("broadcasts composed")
     return out
 
@@ -216,41 +142,22 @@ RULES = {**{p: _elementwise_rule for p in ELEMENTWISE},
 def hoist_broadcast(closed):
     """Move elementwise work and reductions above broadcasts (module doc)."""
     # Sum sinking may factor out values computed from the program's consts.
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+    jaxpr, values = _jax.jaxpr_parts(closed)
+    consts = dict(zip(jaxpr.constvars, values))
     reduction = functools.partial(_reduction_rule, consts=consts)
     return _rewrite.rewrite(closed, {**RULES, **{p: reduction for p in REDUCTIONS}})
 
 
 def remaining(closed) -> int:
-    """Ops that still compute on broadcast copies (what the pass removes)."""
+    """Ops that still compute on broadcast copies (what the pass removes):
+    equations its elementwise and reduction matchers accept."""
     n = 0
-    for jaxpr in [closed.jaxpr] + [s for e in _rewrite.iter_eqns(closed)
-                                   for s in _jax.jaxprs_in_params(e.params)]:
-        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-        get = lambda a, p=producer: p.get(a) if _jax.is_var(a) else None  # noqa: E731
+    for jaxpr in _rewrite.iter_jaxprs(closed):
+        producer = _rewrite.Producers(jaxpr.eqns)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in ELEMENTWISE and _hoistable_elementwise(get, eqn):
-                n += 1
+            if name in ELEMENTWISE:
+                n += _broadcast.match_elementwise(producer, eqn) is not None
             elif name in REDUCTIONS:
-                x, dims, s = _source(get, eqn.invars[0])
-                real = _real_axes(x, dims, s)
-                if (x is not eqn.invars[0] and all(a in real for a in eqn.params["axes"])
-                        and any(a not in real and s[a] > 1 for a in range(len(s)))):
-                    n += 1
+                n += _broadcast.match_reduction(producer, eqn) is not None
     return n
-
-
-def _hoistable_elementwise(get, eqn):
-    shape = tuple(eqn.outvars[0].aval.shape)
-    if not shape:
-        return False
-    real = set()
-    for a in eqn.invars:
-        if a.aval.shape:
-            x, dims, s = _source(get, a)
-            if len(s) != len(shape):
-                return False
-            real |= {d for d in _real_axes(x, dims, s) if s[d] == shape[d]}
-    return any(a not in real and shape[a] > 1 for a in range(len(shape)))
-

@@ -11,8 +11,8 @@ primal bodies of custom-derivative calls. Each einsum becomes the
 with fresh variables, at any depth (the sub-jaxpr is flattened first).
 
 Leaves alone: loops, branches and `remat` (rewritten inside, never
-unrolled); calls whose `in_shardings`/`out_shardings` are set (inlining
-would drop the user's sharding; their bodies are still flattened); a call
+unrolled); calls whose input or output shardings are set (inlining would
+drop the user's sharding; their bodies are still flattened); a call
 with array constants inside a `remat` body, whose open jaxpr has nowhere to
 put them (the splice declines; the body is still flattened);
 `custom_jvp_call` / `custom_vjp_call` unless `differentiated=True`: inlining
@@ -26,8 +26,8 @@ names.
 When it preserves `jax.jit`'s results: always, exactly.
 
 * einsum -> dot_general: `einsum_to_dot_general` is also the einsum
-  primitive's own impl and lowering, and it receives the equation's
-  `precision` and `preferred_element_type` unchanged, so the dot is the one
+  primitive's own impl and lowering, and it receives the equation's params
+  (precision and accumulation dtype included) unchanged, so the dot is the one
   XLA would have run: same accumulation dtype (integer overflow included),
   same algorithm class. Checked: a replacement whose shape, dtype or weak
   type differs from the einsum's declared result is declined (the einsum
@@ -45,25 +45,19 @@ from jaxbackend.passes import _rewrite
 
 
 def _einsum_rule(ctx, eqn):
-    params = dict(eqn.params)  # precision and preferred_element_type included
-    key = ("einsum_to_dot_general", tuple(sorted(params.items())))
-    out = ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **params), eqn.invars, key)
+    kw = _jax.eqn_params(eqn)  # dims, precision and accumulation dtype
+    key = ("einsum_to_dot_general", _jax.params_key(kw))
+    out = ctx.emit(lambda a, b: einsum_to_dot_general(a, b, **kw), eqn.invars, key)
     _rewrite.same_types(eqn, out, "dot_general result")
     ctx.count("einsum->dot_general")
     return out
 
 
 def _call_rule(ctx, eqn):
-    params = eqn.params
-    for k in ("in_shardings", "out_shardings"):
-        if not all(_jax.sharding_is_unspecified(s) for s in params.get(k, ())):
-            return None
-    body = params.get("jaxpr", params.get("call_jaxpr"))
-    if body is None:
+    if _jax.call_has_shardings(eqn):
         return None
-    if _jax.is_open_jaxpr(body):
-        body = _jax.ClosedJaxpr(body, ())
-    if len(body.jaxpr.invars) != len(eqn.invars):
+    body = _jax.call_body(eqn)   # a ClosedJaxpr
+    if body is None or len(_jax.open_jaxpr(body).invars) != len(eqn.invars):
         return None
     out = ctx.splice(body, eqn.invars)  # may decline (RewriteDeclined): count after
     ctx.count(f"inlined {eqn.primitive.name}")
@@ -71,10 +65,10 @@ def _call_rule(ctx, eqn):
 
 
 def _custom_rule(ctx, eqn):
-    body = eqn.params.get("call_jaxpr")
-    # JAX 0.10: the first `num_consts` operands are consts that call_jaxpr
-    # takes as ordinary leading inputs, so operands map onto inputs in order.
-    if body is None or len(body.jaxpr.invars) != len(eqn.invars):
+    body = _jax.call_body(eqn)   # the primal
+    # JAX 0.10: the leading const operands are ordinary leading inputs of
+    # the primal body, so operands map onto inputs in order.
+    if body is None or len(_jax.open_jaxpr(body).invars) != len(eqn.invars):
         return None
     out = ctx.splice(body, eqn.invars)
     ctx.count(f"inlined {eqn.primitive.name}")
@@ -101,11 +95,12 @@ def inline_calls(closed, *, differentiated: bool = False):
 
 
 def remaining(closed) -> dict:
-    """What `inline` must leave at zero: einsum and call equations, by kind."""
+    """What `inline` must leave at zero: equations its rule table matches
+    (einsums and calls), by kind."""
+    rules = _rules(einsum=True, differentiated=False)
     counts = {"einsum": 0, "call": 0}
     for eqn in _rewrite.iter_eqns(closed):
-        if eqn.primitive.name == "einsum":
-            counts["einsum"] += 1
-        elif eqn.primitive.name in _jax.CALL_PRIMITIVES:
-            counts["call"] += 1
+        name = eqn.primitive.name
+        if name in rules:
+            counts["einsum" if name == "einsum" else "call"] += 1
     return counts

@@ -55,6 +55,7 @@ When nothing is found the input object is returned unchanged.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,18 +63,27 @@ from jax import lax
 
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
-from jaxbackend.passes._reroll_find import Run, find_runs
+from jaxbackend.passes._reroll_find import find_runs
+from jaxbackend.passes._reroll_run import Carry, Inner, Lit, Outside, Run
 
-__all__ = ["RerollStats", "find_runs", "reroll", "reroll_with_stats"]
+__all__ = ["RerollStats", "RolledRun", "find_runs", "reroll", "reroll_with_stats"]
+
+
+class RolledRun(NamedTuple):
+    """One run rolled into one scan. `start` indexes the jaxpr holding the
+    run (the top level, or a sub-jaxpr for runs rolled inside one)."""
+
+    start: int
+    period: int          # equations per block
+    repeats: int         # blocks
+    reverse: bool        # the scan runs backwards (a backward pass)
 
 
 @dataclasses.dataclass
 class RerollStats:
-    """What one `reroll` call did."""
+    """What one `reroll` call did; `len(runs)` scans were made."""
 
-    # (start, period, repeats, reverse); start indexes the jaxpr holding the
-    # run (the top level, or a sub-jaxpr for runs rolled inside one)
-    runs: list = dataclasses.field(default_factory=list)
+    runs: list = dataclasses.field(default_factory=list)   # of RolledRun
     eqns_before: int = 0
     eqns_after: int = 0
     stacked_copies: int = 0        # per-block input lists stacked by copying
@@ -81,13 +91,8 @@ class RerollStats:
     stacks_reused: int = 0         # per-block input lists read from an earlier stack
 
     @property
-    def blocks(self) -> int:
-        """Number of runs rolled (one scan each)."""
-        return len(self.runs)
-
-    @property
     def repeats(self) -> list:
-        return [r[2] for r in self.runs]
+        return [r.repeats for r in self.runs]
 
 
 def reroll(closed_jaxpr, *, min_repeats: int = 2):
@@ -101,10 +106,10 @@ def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2):
     if min_repeats < 2:
         raise ValueError(f"reroll: min_repeats={min_repeats} must be >= 2 (a run of one block "
                          "is not a loop); pass min_repeats=2 or more.")
-    stats = RerollStats(eqns_before=len(closed_jaxpr.jaxpr.eqns))
-    out = _Splicer(min_repeats, stats).closed(closed_jaxpr)
-    stats.eqns_after = len(out.jaxpr.eqns)
-    _rewrite.record_stats({"reroll.runs": stats.blocks,
+    stats = RerollStats(eqns_before=len(_jax.open_jaxpr(closed_jaxpr).eqns))
+    out = _Splicer(min_repeats, stats).sub(closed_jaxpr)
+    stats.eqns_after = len(_jax.open_jaxpr(out).eqns)
+    _rewrite.record_stats({"reroll.runs": len(stats.runs),
                            "reroll.blocks_rolled": sum(stats.repeats),
                            "reroll.stacked_copies": stats.stacked_copies})
     return out, stats
@@ -122,46 +127,39 @@ class _Splicer:
         self.min_repeats, self.stats, self.memo = min_repeats, stats, {}
         self.keys = _rewrite.StructuralKeys()   # one for every jaxpr: each keyed once
 
-    def closed(self, closed):
-        rw, outvars = self._walk(closed.jaxpr, closed=True)
-        if rw is None:
-            return closed
-        return _jax.ClosedJaxpr(rw.finish(closed.jaxpr, outvars), list(closed.consts) + rw.new_consts)
-
-    def _open(self, jaxpr):
+    def sub(self, j):
+        """The rolled version of a (sub-)jaxpr (same object if unchanged).
+        An open one (a remat body) whose rolled form would need an array
+        const is left as it is, and nothing of it is counted."""
         before = dataclasses.replace(self.stats, runs=list(self.stats.runs))
         try:
-            rw, outvars = self._walk(jaxpr, closed=False)
-        except _rewrite.RewriteDeclined:   # would need an array const: leave as is
-            self.stats.__dict__.update(before.__dict__)   # and count nothing of it
-            return jaxpr
-        return jaxpr if rw is None else rw.finish(jaxpr, outvars)
+            return _rewrite.transform(j, self._walk)
+        except _rewrite.RewriteDeclined:
+            self.stats.__dict__.update(before.__dict__)
+            return j
 
-    def _sub(self, value):
-        """The rolled version of a sub-jaxpr (same object if unchanged)."""
-        return self.closed(value) if _jax.is_closed_jaxpr(value) else self._open(value)
+    def _subs(self, eqn):
+        return _rewrite.map_subjaxprs(eqn, self.memo, self.sub)
 
-    def _walk(self, jaxpr, closed):
-        """(Rewriter holding the new equations, new outvars), or (None, None)
-        when neither this jaxpr nor any sub-jaxpr changed."""
+    def _walk(self, jaxpr, b):
+        """The new outvars (equations into builder `b`), or None when
+        neither this jaxpr nor any sub-jaxpr changed."""
         runs = find_runs(jaxpr, self.min_repeats, self.keys)
-        rw = _rewrite.Rewriter({}, closed=closed, shared={"memo": {}, "stats": None})
-        subs = lambda eqn: _rewrite.map_subjaxprs(eqn, self.memo, self._sub)  # noqa: E731
-        walk = _Walk(jaxpr, runs, rw, self.stats, subs)
+        walk = _Walk(jaxpr, runs, b, self.stats, self._subs)
         for eqn in walk.kept():
-            new = subs(eqn)
-            rw.changed |= new is not eqn
+            new = self._subs(eqn)
+            b.changed |= new is not eqn
             walk.keep(new)
-        if not (runs or rw.changed):
-            return None, None
-        return rw, [walk.read(v) for v in jaxpr.outvars]
+        if not (runs or b.changed):
+            return None
+        return [walk.read(v) for v in jaxpr.outvars]
 
 
 class _Walk:
     """One pass over one jaxpr's equations: runs replaced, the rest kept."""
 
-    def __init__(self, jaxpr, runs, rw, stats, subs):
-        self.jaxpr, self.rw, self.stats = jaxpr, rw, stats
+    def __init__(self, jaxpr, runs, b, stats, subs):
+        self.jaxpr, self.b, self.stats = jaxpr, b, stats
         self.subs = subs      # eqn -> eqn with its sub-jaxprs rolled
         self.run_at = {r.start: r for r in runs}
         self.max_repeats = max((r.repeats for r in runs), default=0)
@@ -187,7 +185,7 @@ class _Walk:
         invars = [self.read(v) for v in eqn.invars]
         if any(a is not b for a, b in zip(invars, eqn.invars)):
             eqn = eqn.replace(invars=invars)
-        self.rw.eqns.append(eqn)
+        self.b.append(eqn)
 
     # -- environment ---------------------------------------------------------
     def read(self, v):
@@ -208,13 +206,13 @@ class _Walk:
         read of one shape is the same XLA kernel."""
         arr = self.stacks[sid]
         if not arr.aval.size:   # nothing to read, nor to compile: a static slice
-            return self.rw.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
+            return self.b.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
                                 key=("reroll.index", idx))[0]
         if self.indices is None:   # from a non-empty stack: the trip count reads an element
             n = self.max_repeats
-            self.indices = self.rw.emit(lambda like: _opaque_indices(n, like), [arr],
+            self.indices = self.b.emit(lambda like: _opaque_indices(n, like), [arr],
                                         key=("reroll.opaque", n))
-        out, = self.rw.emit(_unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
+        out, = self.b.emit(_unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
         return out
 
     def _register(self, arr, vars_in_array_order):
@@ -251,10 +249,10 @@ class _Walk:
             self.stats.stacks_reused += 1
             if lo == 0 and arr.aval.shape[0] == n:
                 return arr
-            return self.rw.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
+            return self.b.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
                                 key=("reroll.slice", lo, n))[0]
         order = list(reversed(vs)) if reverse else list(vs)
-        arr, = self.rw.emit(lambda *xs: _stack(xs), [self.read(v) for v in order],
+        arr, = self.b.emit(lambda *xs: _stack(xs), [self.read(v) for v in order],
                             key="reroll.stack")
         self.stats.stacked_copies += 1
         self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
@@ -269,28 +267,29 @@ class _Walk:
         consts = {s: new(run.outside[s][0].aval) for s in const_slots}
         xs = {s: new(run.outside[s][0].aval) for s in xs_slots}
         carry = [new(block[r].outvars[o].aval) for r, o in run.carry_slots]
-        local, eqns = {}, []
+        local: dict = {}
+        eqns: list = []
         for r, eqn in enumerate(block):
             invars = []
             for t, v in zip(run.template[r], eqn.invars):
-                kind = t[0]
-                if kind == "lit":
+                if isinstance(t, Lit):
                     invars.append(v)
-                elif kind == "int":
-                    invars.append(local[t[1:]])
-                elif kind == "car":
-                    invars.append(carry[t[1]])
+                elif type(t) is Inner:
+                    invars.append(local[t.slot])
+                elif isinstance(t, Carry):
+                    invars.append(carry[t.c])
                 else:
-                    invars.append(xs[t[1]] if t[1] in xs else consts[t[1]])
+                    assert isinstance(t, Outside)
+                    invars.append(xs[t.s] if t.s in xs else consts[t.s])
             outvars = [new(v.aval) for v in eqn.outvars]
             local.update(((r, o), v) for o, v in enumerate(outvars))
             # the body's own sub-jaxprs are rolled too (a layer that is one
             # remat equation may hold a loop of sub-layers): one pass suffices
             eqns.append(self.subs(eqn).replace(invars=invars, outvars=outvars))
-        outvars = ([local[slot] for slot in run.carry_slots] + [local[slot] for slot in run.ys_slots]
-                   + [carry[c] for c in run.carry_ys])
+        outvars = ([local[slot] for slot in run.carry_slots]
+                   + [local[slot] for slot in run.ys_slots] + [carry[c] for c in run.carry_ys])
         invars = [consts[s] for s in const_slots] + carry + [xs[s] for s in xs_slots]
-        return _jax.ClosedJaxpr(_jax.new_jaxpr(invars, outvars, eqns), [])
+        return _jax.as_closed(_jax.new_jaxpr(invars, outvars, eqns))
 
     def _scan(self, run: Run):
         n = run.repeats
@@ -307,13 +306,17 @@ class _Walk:
                 + [self.read(v) for v in run.carry_init]
                 + [self._xs(run.outside[s], reverse) for s in per_block])
         body = self._body(run, const_slots, per_block)
-        kw = dict(length=n, reverse=reverse, num_consts=len(const_slots),
-                  num_carry=len(run.carry_slots))
-        outs = self.rw.emit(lambda *a: _jax.scan_bind(body, a, **kw), args)
+        n_consts, n_carry = len(const_slots), len(run.carry_slots)
+        outs = self.b.emit(lambda *a: _jax.scan_bind(body, a, length=n, reverse=reverse,
+                                                     n_consts=n_consts, n_carry=n_carry), args)
         final, ys = outs[:len(run.carry_slots)], outs[len(run.carry_slots):]
-        self.stats.runs.append((run.start, run.period, n, reverse))
+        self.stats.runs.append(RolledRun(run.start, run.period, n, reverse))
         pos = (lambda j: n - 1 - j) if reverse else (lambda j: j)
-        out_var = lambda j, slot: self.jaxpr.eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]  # noqa: E731
+        eqns = self.jaxpr.eqns
+
+        def out_var(j, slot):
+            return eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]
+
         for c, slot in enumerate(run.carry_slots):
             v = out_var(n - 1, slot)
             if not _jax.is_dropvar(v):

@@ -102,7 +102,7 @@ class Graph:
     invars: tuple          # var per flat input
     outvars: tuple         # var per flat output (None: a literal)
     pinned: frozenset      # vars always materialised (stacked scan results)
-    top_env: Mapping       # top-level jaxpr Var -> var (for sharding constraints)
+    env: Mapping           # jaxpr Var -> var, sub-jaxprs included (sharding constraints)
     var_classes: tuple     # var -> class per axis
     class_size: tuple      # class -> shardable size (1 for a merged dim)
     class_names: Mapping   # class -> name, for named classes
@@ -136,6 +136,7 @@ class Builder:
         self.ops: list = []
         self.uses: list = []         # var -> index of last op reading it
         self.pinned: set = set()     # vars that are always materialised (scan results)
+        self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int) -> int:
@@ -217,7 +218,7 @@ class Builder:
                 self.parent[max(ra, rb)] = min(ra, rb)
 
     # -- after the walk -------------------------------------------------------
-    def finish(self, invars, outvars, top_env) -> Graph:
+    def finish(self, invars, outvars, env) -> Graph:
         """Resolve classes, sizes, names and keys (the search's variables)."""
         roots: dict = {}
         var_classes = []
@@ -290,7 +291,7 @@ class Builder:
         return Graph(
             shapes=tuple(self.shapes), itemsize=tuple(self.itemsize), ops=ops,
             uses=tuple(self.uses), invars=tuple(invars), outvars=tuple(outvars),
-            pinned=frozenset(self.pinned), top_env=top_env, var_classes=tuple(var_classes),
+            pinned=frozenset(self.pinned), env=env, var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias)
@@ -319,8 +320,9 @@ def build(closed, in_names=None, out_names=None) -> Graph:
     for v in outvars:
         if v is not None:
             b.uses[v] = len(b.ops)
-    # top_env: top-level jaxpr Var -> graph var (for sharding constraints)
-    return b.finish(invars, outvars, env)
+    # every walked jaxpr Var -> graph var: a sharding constraint inside a
+    # scan body gets the layout of the body's (per-iteration) variable
+    return b.finish(invars, outvars, {**b.sub_env, **env})
 
 
 def _read(env, x):
@@ -337,6 +339,8 @@ def _inline(b, body, ins, mult):
     for var, v in zip(jaxpr.invars, ins):
         env[var] = v if v is not None else b.var_of(var.aval)
     _walk(b, jaxpr, env, mult)
+    for var, v in env.items():   # a body walked twice (cond, a shared body) keeps its first walk
+        b.sub_env.setdefault(var, v)
     return [_read(env, x) for x in jaxpr.outvars]
 
 

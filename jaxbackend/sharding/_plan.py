@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbackend import _jax
 from jaxbackend.named import NamedArray
 from jaxbackend.sharding import _axis_rules, _graph, _search
 from jaxbackend.sharding._cost import KINDS, CostModel
@@ -107,10 +108,17 @@ class Plan:
         return [self.spec(v) if v is not None else PartitionSpec() for v in self.model.g.outvars]
 
     def contraction_specs(self) -> dict:
-        """{top-level contraction equation of `closed`: its result's layout}."""
-        env = self.model.g.top_env
-        return {e: self.spec(env[e.outvars[0]]) for e in self.closed.jaxpr.eqns
-                if e.primitive.name in _CONSTRAIN}
+        """{contraction equation of `closed`, in scan bodies too: its result's
+        layout}. A body's equation gets its per-iteration layout (the stacked
+        layer dim of a rolled program is never sharded: `_graph._scan`)."""
+        env, out = self.model.g.env, {}
+        stack = [self.closed.jaxpr]
+        while stack:
+            for e in stack.pop().eqns:
+                if e.primitive.name in _CONSTRAIN and e.outvars[0] in env:
+                    out[e] = self.spec(env[e.outvars[0]])
+                stack.extend(_jax.sub_jaxprs(e))
+        return out
 
     def shardings(self, args):
         """A pytree like `args` with a NamedSharding per array leaf."""
