@@ -230,7 +230,8 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     and `profile` ("cpu", "h100", "h200" or a HardwareProfile) picks dim-
     name rules, or `rules=` (a dict or a Plan) gives them; the program runs
     with the plan's layouts pinned on inputs, outputs and every named
-    contraction. `inline` and `reroll` do not run under a mesh (`_mesh_passes`).
+    contraction, in scan bodies too. `inline` does not run under a mesh
+    (`_mesh_passes`).
 
     The result is JAX's jit object, with `.trace_passes(*args)`, `.passes`,
     `.trace_count`, `.last_report` and `.plan` added (module docstring).
@@ -294,17 +295,13 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
 
 
 def _mesh_passes(passes) -> tuple:
-    """The passes run under a mesh: all but `inline` and `reroll`. The search
-    plans the jaxpr after them, so it reads dim names (the named einsums
-    lower by themselves), and the plan's constraints go on top-level
-    contractions, which a `scan` body would hide. Layers stay unrolled for
-    now: rolling after planning, with the constraints moved into the scan
-    bodies, compiled slower under SPMD (measured on a (2, 4) CPU mesh: 10.2 s
-    vs 7.7 s for the 8-layer transformer, 5.7 s vs 1.5 s for the named
-    attention stack at 16), and rolling after the planning passes finds
-    fewer runs (`cse` and `hoist_broadcast` change the layers' periodicity),
-    so it waits for planning on the rolled program."""
-    return tuple(f for n, f in _pipeline.resolve(passes) if n not in ("inline", "reroll"))
+    """The passes run under a mesh: all but `inline`, so the search plans a
+    jaxpr that still has its named einsums (they lower by themselves).
+    `reroll` runs first, as without a mesh: the search plans the rolled
+    program (a scan body is walked once, its cost counted per trip), and
+    the plan's constraints go inside the scan bodies (`_run_planned`), so
+    compile time stays flat in depth under a mesh too."""
+    return tuple(f for n, f in _pipeline.resolve(passes) if n != "inline")
 
 
 class _Planner:
@@ -364,14 +361,34 @@ def _run_planned(plan, leaves) -> list:
     contraction (XLA's propagation fills in the rest)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
     cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
+    entered = _scans_holding(closed.jaxpr, cons)
 
     def hook(eqn, outs):
         s = cons.get(eqn)
         return outs if s is None else [wsc(outs[0], s)]
 
     ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
-    outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook)
+    outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
+                                  enter=entered.__contains__)
     return [wsc(y, plan.sharding(s)) for y, s in zip(outs, plan.out_specs())]
+
+
+def _scans_holding(jaxpr, eqns) -> set:
+    """The scan equations of `jaxpr` (at any depth) whose bodies hold one of
+    `eqns`: the ones the constrained evaluation must enter."""
+    found: set = set()
+
+    def visit(j) -> bool:
+        hit = False
+        for e in j.eqns:
+            inner = [visit(s) for s in _jax.sub_jaxprs(e)]   # every body, not just the first hit
+            if any(inner) and e.primitive.name == "scan":
+                found.add(e)
+            hit = hit or any(inner) or e in eqns
+        return hit
+
+    visit(jaxpr)
+    return found
 
 
 def _compile_plan(plan):

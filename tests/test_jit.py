@@ -210,22 +210,27 @@ def test_reroll_argument_is_checked():
         jb.jit(lambda x: x, reroll=1)
 
 
-def test_jit_with_mesh_keeps_layers_unrolled_so_every_contraction_is_constrained():
+def test_jit_with_mesh_rolls_layers_and_constrains_every_contraction_in_the_loop():
     from jax.sharding import AxisType
 
     from jaxbackend.models import _attention_stack as A
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    x, layers = A.init_attention_stack(jax.random.key(0), 5, batch=8, time=8)
-    vg = jax.value_and_grad(lambda x, L: A.named_attention_stack(x, L)[0], argnums=1)
-    f = jb.jit(vg, mesh=mesh, rules={"batch": "data", "head": "model"})
-    assert "reroll" not in f.passes
-    args = A.name_params(x, layers)
-    text = f.lower(*args).as_text()
-    # one constraint per contraction (forward and backward), none hidden in a
-    # loop, plus one per input and output leaf (the plan's layouts)
-    n_io = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
-    assert "while" not in text
-    assert text.count("sdy.sharding_constraint") - n_io == text.count("dot_general") > 5 * 6
+    texts = {}
+    for n in (8, 16):
+        x, layers = A.init_attention_stack(jax.random.key(0), n, batch=8, time=8)
+        vg = jax.value_and_grad(lambda x, L: A.named_attention_stack(x, L)[0], argnums=1)
+        f = jb.jit(vg, mesh=mesh, rules={"batch": "data", "head": "model"})
+        assert "reroll" in f.passes and "inline" not in f.passes
+        args = A.name_params(x, layers)
+        text = texts[n] = f.lower(*args).as_text()
+        # the layers run in loops, and every contraction (forward and
+        # backward, in the loop bodies) is constrained, besides one
+        # constraint per input and output leaf (the plan's layouts)
+        n_io = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
+        assert "stablehlo.while" in text
+        assert text.count("sdy.sharding_constraint") - n_io == text.count("dot_general") > 0
+    # flat in depth: 16 layers hold no more contractions than 8
+    assert texts[16].count("dot_general") == texts[8].count("dot_general") < 8 * 6
     with pytest.raises(ValueError, match="btach"):
         jb.jit(vg, mesh=mesh, rules={"btach": "data"})(*A.name_params(x, layers))

@@ -107,3 +107,28 @@ def test_given_shardings_must_agree_with_the_plan(mesh):
     with pytest.raises(ValueError, match=r"out_shardings lays out output \[1\]\['w1'\]") as e:
         h(*args, 0.1)
     assert str(e.value).splitlines()[0].endswith("give this layout.")   # one line, then JAX's note
+
+
+def _gpt_step(layers: int):
+    import optax
+    from flax import nnx
+
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=layers, embd=32, heads=4),
+                rngs=nnx.Rngs(0))
+    params, loss_fn = nn.functional(model, "loss")
+    x = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+    return jax.value_and_grad(loss_fn), (params, x, jnp.roll(x, -1, axis=1))
+
+
+@pytest.mark.parametrize("rules", [None, {"batch": "data", "head": "model", "mlp": "model"}],
+                         ids=["searched", "megatron"])
+def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules):
+    vg, args = _gpt_step(8)
+    f = jb.jit(vg, mesh=mesh, rules=rules)
+    assert "stablehlo.while" in f.lower(*args).as_text(), "the 8 layers should run in a loop"
+    got, want = f(*args), jax.jit(vg)(*args)
+    testing.assert_close(got, want, scale=lambda: testing.abs_scale(vg, *args),
+                         what="sharded rolled value_and_grad")
