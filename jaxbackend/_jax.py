@@ -637,3 +637,17 @@ def einsum_dims(eqn) -> tuple:
     or sharding rule indexes an equation's param dict."""
     p = eqn.params
     return tuple(p["lhs_dims"]), tuple(p["rhs_dims"]), tuple(p["out_dims"])
+
+
+# --- where an equation came from (plan names, explain) -------------------------
+# JAX 0.10: `eqn.source_info.traceback` is the traceback at trace time;
+# `source_info_util.user_frame` skips JAX's own frames. No public accessor.
+
+def source_line(eqn) -> str | None:
+    """'file.py:123' of the user code that made the equation, or None."""
+    import os
+
+    from jax._src import source_info_util
+
+    frame = source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
+    return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"

@@ -322,7 +322,8 @@ class _Planner:
             plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),
                                     jax.tree.structure(t.dynamic), jax.tree.structure(t.out_shape),
                                     mesh=self.mesh, rules=self.rules,
-                                    memory_budget=self.budget, profile=self.profile)
+                                    memory_budget=self.budget, profile=self.profile,
+                                    in_paths=_plan.paths_of(t.dynamic))
             self.cache[key] = plan
         if self.in_shardings is not _UNSPECIFIED:
             _check_agrees("in_shardings", "argument", self.in_shardings, t.dynamic[0],

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 
 from jaxbackend import _jax
+from jaxbackend.sharding import _names
 
 UNMAPPED = -1    # an operand axis with no requirement (size-1 broadcast)
 REPLICATED = -2  # an operand axis that must be unsharded (minor factor of a merge)
@@ -137,6 +138,7 @@ class Builder:
         self.uses: list = []         # var -> index of last op reading it
         self.pinned: set = set()     # vars that are always materialised (scan results)
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
+        self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int) -> int:
@@ -218,7 +220,7 @@ class Builder:
                 self.parent[max(ra, rb)] = min(ra, rb)
 
     # -- after the walk -------------------------------------------------------
-    def finish(self, invars, outvars, env) -> Graph:
+    def finish(self, invars, outvars, env, in_paths=()) -> Graph:
         """Resolve classes, sizes, names and keys (the search's variables)."""
         roots: dict = {}
         var_classes = []
@@ -268,13 +270,8 @@ class Builder:
                 key_of[k] = len(key_names)
                 key_names.append(names[c] if c in names else None)
             class_key[c] = key_of[k]
-        counter: dict = {}
-        for i, n in enumerate(key_names):   # deterministic names for unnamed keys
-            if n is None:
-                size = [class_size[c] for c in range(n_classes)
-                        if class_key[c] == i and c not in composite][0]
-                j = counter[size] = counter.get(size, -1) + 1
-                key_names[i] = f"dim{size}" + (f"_{j}" if j else "")
+        _names.name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
+                            self.origin)
         for c in composite:
             class_key[c] = class_key[major[c]]
         # A named merged dim (`head`, split by name into (kv_head, group)) has
@@ -297,9 +294,11 @@ class Builder:
             key_alias=key_alias)
 
 
-def build(closed, in_names=None, out_names=None) -> Graph:
+def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
     """Flatten `closed` into a Graph. `in_names`/`out_names`: per flat
-    input/output, a tuple of dim names or None."""
+    input/output, a tuple of dim names or None; `in_paths`: per flat input,
+    where the user passed it (e.g. "params['blocks'][0]['w1']"), which names
+    a dim no name reaches."""
     from jaxbackend.sharding import _op_dims  # noqa: F401  (fills the dim-rule table once)
 
     jaxpr, consts = _jax.jaxpr_parts(closed)
@@ -322,7 +321,8 @@ def build(closed, in_names=None, out_names=None) -> Graph:
             b.uses[v] = len(b.ops)
     # every walked jaxpr Var -> graph var: a sharding constraint inside a
     # scan body gets the layout of the body's (per-iteration) variable
-    return b.finish(invars, outvars, {**b.sub_env, **env})
+    return b.finish(invars, outvars, {**b.sub_env, **env},
+                    tuple(in_paths or (f"input {i}" for i in range(len(invars)))))
 
 
 def _read(env, x):
@@ -367,6 +367,8 @@ def _walk(b, jaxpr, env, mult):
         else:
             outs = [b.var_of(x.aval) for x in eqn.outvars]
             dim_rule(name)(b, eqn, ins, outs, mult)
+            for v in outs:
+                b.origin[v] = eqn
             for v in ins:
                 if v is not None:
                     b.uses[v] = len(b.ops) - 1

@@ -47,6 +47,22 @@ def dims_of(tree) -> list:
             for x in jax.tree.leaves(tree, is_leaf=_is_named)]
 
 
+def paths_of(tree) -> list:
+    """Per flat leaf of `tree` (NamedArrays are leaves): where it sits, as
+    the user wrote it: `args[0]['blocks'][1]['w1']` for a positional
+    argument of `(args, kwargs)`, `x` or `x['w']` for a keyword one."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_named)[0]:
+        head, rest = path[:2], jax.tree_util.keystr(path[2:])
+        if len(head) == 2 and getattr(head[0], "idx", None) == 0:      # (args, kwargs)[0][i]
+            out.append(f"args[{head[1].idx}]{rest}")
+        elif len(head) == 2 and getattr(head[0], "idx", None) == 1:    # kwargs[name]
+            out.append(f"{head[1].key}{rest}")
+        else:
+            out.append(jax.tree_util.keystr(path) or "arg")
+    return out
+
+
 def trace(fn, *args, transform=None):
     """(ClosedJaxpr, Graph, in_tree, out_tree) for fn(*args); `transform`:
     an optional ClosedJaxpr -> ClosedJaxpr pass run before planning (e.g.
@@ -54,7 +70,7 @@ def trace(fn, *args, transform=None):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if transform is not None:
         closed = transform(closed)
-    graph = _graph.build(closed, dims_of(args), dims_of(out_shape))
+    graph = _graph.build(closed, dims_of(args), dims_of(out_shape), paths_of((args, {})))
     return closed, graph, jax.tree.structure(args), jax.tree.structure(out_shape)
 
 
@@ -161,11 +177,12 @@ class Plan:
 
 
 def plan_jaxpr(closed, in_dims, out_dims, in_tree, out_tree, *, mesh, rules=None,
-               memory_budget=None, profile=None) -> Plan:
+               memory_budget=None, profile=None, in_paths=None) -> Plan:
     """The Plan of a traced program: `rules` as given, or searched when None.
-    `in_dims`/`out_dims`: per flat input/output, its dim names or None."""
-    return _planned(closed, _graph.build(closed, in_dims, out_dims), in_tree, out_tree, mesh,
-                    rules, memory_budget, profile)
+    `in_dims`/`out_dims`: per flat input/output, its dim names or None;
+    `in_paths`: per flat input, its `paths_of` (names unnamed dims)."""
+    return _planned(closed, _graph.build(closed, in_dims, out_dims, in_paths), in_tree, out_tree,
+                    mesh, rules, memory_budget, profile)
 
 
 def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transform=None) -> Plan:

@@ -132,3 +132,16 @@ def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules):
     got, want = f(*args), jax.jit(vg)(*args)
     testing.assert_close(got, want, scale=lambda: testing.abs_scale(vg, *args),
                          what="sharded rolled value_and_grad")
+
+
+def test_plan_names_every_dim_after_where_it_comes_from(mesh):
+    import re
+
+    vg, args = _gpt_step(2)
+    plan = sharding.plan(vg, *args, mesh=mesh)
+    names = set(plan.model.g.key_names)
+    assert not [n for n in names if re.fullmatch(r"dim\d+(_\d+)?", n)], names
+    # the token ids are a plain array: their unnamed axes are named by argument path and axis
+    assert {"args[1]:0", "args[1]:1"} & names or any(n.startswith("args[") for n in names), names
+    table = plan.table()
+    assert all(n in table for n in plan.rules)

@@ -1,0 +1,42 @@
+"""Names for the dims no dim name reaches (plain jnp code, unnamed inputs).
+
+A plan a user reads names every sharded dim. A dim class that no NamedArray
+and no named einsum labels is named after where it comes from: the first
+program input holding it, by its argument path and axis
+(`args[0]['tok']['embedding']:0`), else the first equation making it, by
+primitive, user source line and axis (`gather@model.py:88:2`). These are
+ordinary rule names: `rules={"args[3]:1": "data"}` shards that dim.
+"""
+
+from __future__ import annotations
+
+from jaxbackend import _jax
+
+
+def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths, origin):
+    """Name each key no dim name reached after where it comes from: the
+    first input axis holding it ("params['wte']:1", an argument path
+    and axis), else the first equation making it ("gather@model.py:88:0",
+    primitive, source line, axis); repeats get "_1", "_2"."""
+    where: dict = {}
+    for i, v in enumerate(invars):
+        for a, c in enumerate(var_classes[v]):
+            if c not in composite:
+                where.setdefault(class_key[c], f"{in_paths[i]}:{a}")
+    for v in sorted(origin):
+        eqn = origin[v]
+        for a, c in enumerate(var_classes[v]):
+            if c not in composite and class_key[c] not in where:
+                line = _jax.source_line(eqn)
+                where[class_key[c]] = f"{eqn.primitive.name}@{line}:{a}" if line else \
+                    f"{eqn.primitive.name}:{a}"
+    taken = {n for n in key_names if n is not None}
+    for k, n in enumerate(key_names):
+        if n is None:
+            base = where.get(k, f"dim{k}")
+            name, j = base, 0
+            while name in taken:
+                j += 1
+                name = f"{base}_{j}"
+            key_names[k] = name
+            taken.add(name)
