@@ -22,6 +22,7 @@ counters) map to replicated specs.
 from __future__ import annotations
 
 import itertools
+import warnings
 import math
 
 import jax
@@ -77,22 +78,44 @@ def _state(tree):
     return nnx.state(tree) if isinstance(tree, nnx.Module) else tree
 
 
+def dims_of(v) -> tuple | None:
+    """A variable's dim names: our `dims` metadata, else Flax's logical axis
+    names (`out_sharding`, set by `nnx.with_partitioning`; None entries are
+    unnamed axes), else None."""
+    if not _is_var(v):
+        return None
+    dims = v.get_metadata("dims", None)
+    if dims is None:
+        logical = v.get_metadata("out_sharding", None)
+        if isinstance(logical, (tuple, list)) and len(logical) == jnp.ndim(v[...]) and all(
+                d is None or isinstance(d, str) for d in logical):
+            dims = tuple(logical)
+    return None if dims is None else tuple(dims)
+
+
 def param_dims(tree):
     """A tree like `nnx.state(module)` whose leaves are each variable's dims
     (None for variables without names)."""
-    return jax.tree.map(lambda v: v.get_metadata("dims", None) if _is_var(v) else None,
-                        _state(tree), is_leaf=_is_var)
+    return jax.tree.map(dims_of, _state(tree), is_leaf=_is_var)
 
 
 def partition_specs(tree, rules):
-    """PartitionSpec per variable of a module (or its state) under `rules`."""
+    """PartitionSpec per variable of a module (or its state) under `rules`.
+    A variable with neither `dims` nor Flax logical-axis metadata stays
+    replicated, with a warning naming the first such parameter."""
     r = _axis_rules.normalize(rules)
+    unnamed = [jax.tree_util.keystr(p) for p, v in
+               jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
+               if _is_var(v) and jnp.ndim(v[...]) > 0 and dims_of(v) is None]
+    if unnamed and r:
+        warnings.warn(
+            f"partition_specs: {len(unnamed)} variables carry no dim names (e.g. {unnamed[0]}) "
+            f"and stay replicated whatever the rules say; build them with jaxbackend.nn layers "
+            f"or name their axes with nnx.with_partitioning(init, names).", stacklevel=2)
 
     def one(v):
-        dims = v.get_metadata("dims", None) if _is_var(v) else None
-        if dims is None:
-            return PartitionSpec()
-        return spec_for_dims(dims, r)
+        dims = dims_of(v)
+        return PartitionSpec() if dims is None else spec_for_dims(dims, r)
     return jax.tree.map(one, _state(tree), is_leaf=_is_var)
 
 
@@ -107,8 +130,8 @@ def check_divisible(tree, rules, mesh) -> None:
     """Raise `nx.DimError` naming the first parameter dim whose size does not
     divide by the mesh axes the rules put it on."""
     leaves = jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
-    named = [(f" of parameter {jax.tree_util.keystr(path)}", v.get_metadata("dims"), v[...].shape)
-             for path, v in leaves if _is_var(v) and v.get_metadata("dims", None) is not None]
+    named = [(f" of parameter {jax.tree_util.keystr(path)}", dims_of(v), v[...].shape)
+             for path, v in leaves if dims_of(v) is not None]
     _axis_rules.check_divisible(named, _axis_rules.normalize(rules), dict(mesh.shape))
 
 
