@@ -48,6 +48,23 @@ def _as_grid(x, n):
     return x.reshape((1,) * (n - x.ndim) + x.shape)
 
 
+def _combine(tables, op) -> list:
+    """One table per distinct shape: `op` (np.add, np.maximum) folded over
+    the tables of that shape."""
+    out: dict = {}
+    for t in tables:
+        out[t.shape] = t if t.shape not in out else op(out[t.shape], t)
+    return list(out.values())
+
+
+def _stacks(tables) -> list:
+    """[(row indices, stacked tables)] grouping `tables` by shape."""
+    rows: dict = {}
+    for i, t in enumerate(tables):
+        rows.setdefault(t.shape, []).append(i)
+    return [(np.array(r), np.stack([tables[i] for i in r])) for r in rows.values()]
+
+
 class Tables:
     """The time and memory terms of a cost model as tables over the grid of
     `keys`' options (axis j: key `keys[j]`; size 1 where a term does not
@@ -66,6 +83,12 @@ class Tables:
         self.summed = [_as_grid(t, n) for t in fixed + weights]
         self.live = [_as_grid(t, n) for t in live]
         self.transient = [_as_grid(t, n) for t in transient]
+        # memory_at reads thousands of small tables per call on a large
+        # program: read each distinct shape once (summed terms pre-summed,
+        # transients pre-maxed, live groups stacked; same values)
+        self._summed = _combine(self.summed, np.add)
+        self._transient = _combine(self.transient, np.maximum)
+        self._live = _stacks(self.live)
 
     @staticmethod
     def at(table, idx):
@@ -83,13 +106,19 @@ class Tables:
     def memory_at(self, idx):
         """Memory per device of plans `idx` (as `CostModel.memory`)."""
         total = np.zeros(idx.shape[1:])
-        for t in self.summed:
+        for t in self._summed:
             total = total + self.at(t, idx)
         other = 0.0
-        for t in self.transient:
+        for t in self._transient:
             other = np.maximum(other, self.at(t, idx))
         if self.live:
-            total = total + (self.cm.mem_points @ np.stack([self.at(t, idx) for t in self.live])).max(axis=0)
+            live = np.empty((len(self.live),) + idx.shape[1:])
+            for rows, stack in self._live:
+                sel = tuple(i if s > 1 else 0 for i, s in zip(idx, stack.shape[1:]))
+                got = stack[(slice(None),) + sel]     # (groups, plans), or (groups,)
+                got = got.reshape(got.shape + (1,) * (live.ndim - got.ndim))
+                live[rows] = np.broadcast_to(got, (len(rows),) + idx.shape[1:])
+            total = total + (self.cm.mem_points @ live).max(axis=0)
         return total + other
 
     def grid(self):
