@@ -1,13 +1,14 @@
-"""Compile time against depth: named vs plain (issue 2), rolled vs unrolled (issue 4).
+"""Compile time against depth: named vs plain, rolled vs unrolled.
 
 Two sections of BENCHMARKS.md, both `jax.value_and_grad` of a loss summed
 over a stack of layers, weights being the differentiated argument:
 
 * `compile_scaling_named`: the causal attention stack of
-  `jaxbackend.models._attention_stack` (B,T,E,H,HD = 4,32,64,4,16) written
+  `jaxbackend.programs.attention_stack` (B,T,E,H,HD = 4,32,64,4,16) written
   with `jaxbackend.named` and in plain jnp, 1..32 layers. Columns: trace+lower
   seconds and XLA compile seconds of each, and named/plain ratios.
-* `compile_scaling_reroll`: the issue-4 pre-LayerNorm transformer (and the
+* `compile_scaling_reroll`: the pre-LayerNorm transformer of
+  `jaxbackend.programs.transformer` (and the
   named attention stack), 1..64 layers, three columns: plain `jax.jit` of the
   Python for-loop (unrolled), `jb.jit` / the `reroll` pass (rolled into
   scans), and a hand-written `jax.lax.scan` over stacked weights.
@@ -23,7 +24,6 @@ but does not write BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import statistics
 import sys
@@ -39,7 +39,7 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 from _report import table, write_section  # noqa: E402
 
-from jaxbackend.models import _attention_stack as attn  # noqa: E402
+from jaxbackend.programs import attention_stack as attn  # noqa: E402
 
 
 # --------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def _med(xs):
 
 
 # --------------------------------------------------------------------------
-# section compile_scaling_named (issue 2)
+# section compile_scaling_named
 
 def _named_fresh(n_layers):
     """Fresh value_and_grad closures of the named and plain stacks + args."""
@@ -106,7 +106,7 @@ def run_named(depths, repeat):
     met = all(r <= 1.10 for r in ratios)
     body = (
         "`jax.value_and_grad` (w.r.t. the layer weights) of the causal attention stack of\n"
-        "`jaxbackend/models/_attention_stack.py` (B,T,E,H,HD = 4,32,64,4,16; per layer four\n"
+        "`jaxbackend/programs/attention_stack.py` (B,T,E,H,HD = 4,32,64,4,16; per layer four\n"
         "contractions, a softmax, a `where` causal mask), written with `jaxbackend.named` and in\n"
         "plain `jnp`. Seconds are medians of "
         f"{repeat} runs; each run traces a fresh closure (no jit cache hit, persistent\n"
@@ -118,12 +118,12 @@ def run_named(depths, repeat):
 
 
 # --------------------------------------------------------------------------
-# section compile_scaling_reroll (issue 4)
+# section compile_scaling_reroll
 
 REROLL_INTRO = """\
 `jax.value_and_grad` w.r.t. the stack input and every layer weight (as when the
-stack sits on a differentiated embedding) of the issue-4 pre-LayerNorm transformer
-(B=2, S=16, D=64, 4 heads, MLP 256 gelu; `jaxbackend/models/_transformer.py`) and of the
+stack sits on a differentiated embedding) of the pre-LayerNorm transformer
+(B=2, S=16, D=64, 4 heads, MLP 256 gelu; `jaxbackend/programs/transformer.py`) and of the
 named causal attention stack (B,T,E,H,HD = 4,32,64,4,16). Three columns, one run, fresh
 closures, interleaved: plain `jax.jit` of the Python for-loop (unrolled), `jb.jit(f)`
 (default pipeline: `reroll` first, from `passes.REROLL_MIN_REPEATS` = 5 repeated layers) on the same for-loop function, and a hand-written
@@ -132,8 +132,8 @@ transformer: one run at 16 and 32 layers, none at 64, see below). The machine is
 with other jobs: absolute seconds are noisy, ratios come from interleaved runs."""
 
 def _transformer_fns(n):
-    """(args_loop, args_scan, loss_loop, loss_scan) for the issue-4 transformer."""
-    from jaxbackend.models import _transformer as T
+    """(args_loop, args_scan, loss_loop, loss_scan) for the pre-LN transformer."""
+    from jaxbackend.programs import transformer as T
 
     x, layers = T.init_transformer(jax.random.key(n), n)
     return (x, layers), (x, T.stack_layers(layers)), T.loop_transformer, T.scan_transformer
@@ -143,7 +143,6 @@ def _attention_fns(n):
     """The same for the named attention stack; the scan version runs one named
     layer per step on the stacked plain weights."""
     from jaxbackend import named as nx
-    from jaxbackend.models._attention_stack import _DIMS
 
     x, layers = attn.init_attention_stack(jax.random.key(n), n)
     nx_x, nx_layers = attn.name_params(x, layers)
@@ -151,7 +150,7 @@ def _attention_fns(n):
 
     def scan_stack(x, stacked):
         def body(h, p):
-            p = {k: nx.as_named(v, _DIMS[k]) for k, v in p.items()}
+            p = {k: nx.as_named(v, attn.DIMS[k]) for k, v in p.items()}
             return attn.named_attention_stack(h, [p])[1], None
 
         h, _ = jax.lax.scan(body, x, stacked)
@@ -267,8 +266,8 @@ def _paired_depth_ratio(make, lo, hi, repeat):
 def _stack_copy_cost(n):
     """Per-call seconds of stacking n layers' 12 weights (what reroll's forward
     scan copies), vs. one rolled training step: measured on its own."""
-    from jaxbackend.models import _transformer as T
     from jaxbackend.passes.reroll import _stack  # the pass's own stacking
+    from jaxbackend.programs import transformer as T
 
     _, layers = T.init_transformer(jax.random.key(0), n)
     f = jax.jit(lambda ls: {k: _stack([p[k] for p in ls]) for k in ls[0]})
@@ -353,7 +352,7 @@ def run_reroll(*, quick: bool, repeat: int) -> str:
     for n in (16, 64):
         t, nbytes = _stack_copy_cost(n)
         copy_rows.append([n, f"{nbytes / 2**20:.2f}", f"{t * 1e6:.0f}"])
-    body += ["Targets (issue 4):\n" + "\n".join(lines),
+    body += ["Targets:\n" + "\n".join(lines),
              "Runtime per training step on CPU (compiled value_and_grad, median of 5x20 calls, "
              "the executables interleaved; `jb.jit` default rolls from "
              "`REROLL_MIN_REPEATS` layers, the rolled column forces it with `reroll=2`):\n\n"
@@ -383,14 +382,14 @@ def main(argv=None) -> int:
             print(body)
         else:
             write_section("compile_scaling_named",
-                          "Compile scaling: named vs plain jnp attention (issue 2)", body)
+                          "Compile scaling: named vs plain jnp attention", body)
     if args.section in ("reroll", "all"):
         body = REROLL_INTRO + "\n\n" + run_reroll(quick=args.quick, repeat=repeat)
         if args.quick:
             print(body)
         else:
             write_section("compile_scaling_reroll",
-                          "Compile scaling: reroll into scan vs unrolled vs hand scan (issue 4)",
+                          "Compile scaling: reroll into scan vs unrolled vs hand scan",
                           body)
     return 0
 

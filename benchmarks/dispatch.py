@@ -8,7 +8,7 @@ the same process, interleaved (A, B, A, B, ...) so machine noise hits both:
 2-layer MLP's `nnx.split` state plus an input). Each sample is the mean of
 `number` back-to-back calls (results not awaited, as a training loop
 dispatches), and we report the median sample, in thread CPU time and wall
-time. Target (issue 3): ratio <= 1.05.
+time. Target: ratio <= 1.05.
 
 Run: python benchmarks/dispatch.py [--quick]   (--quick: fewer samples, no BENCHMARKS.md)
 """

@@ -1,6 +1,6 @@
 """Pass pipeline time vs program size: linear, and small next to XLA.
 
-Program: `models/_attention_stack.py`'s named causal attention stack
+Program: `jaxbackend.programs.attention_stack`'s named causal attention stack
 (batch=4, time=32, embd=64, head=4, hd=16), `jax.value_and_grad` with
 respect to every layer's weights, for 1..64 layers. For each size we trace
 the jaxpr once, then time `passes.run_pipeline` (default pipeline) on it:
@@ -14,7 +14,8 @@ the jaxpr once, then time `passes.run_pipeline` (default pipeline) on it:
   the thread's CPU time, the least-disturbed measure of the code itself.
 
 Per-equation time = minimum warm CPU time / equations in the input jaxpr
-(sub-jaxprs counted). The compile-time ratio uses wall time on both sides. Targets (issue 3): per-equation time at every depth within 1.5x of
+(sub-jaxprs counted). The compile-time ratio uses wall time on both sides.
+Targets: per-equation time at every depth within 1.5x of
 the 1-layer value; pipeline on 32 layers <= 10% of XLA's compile time of the
 same (rewritten) program, measured in the same run.
 
@@ -35,7 +36,7 @@ import jax  # noqa: E402
 
 from benchmarks import _report  # noqa: E402
 from jaxbackend import _jax, passes  # noqa: E402
-from jaxbackend.models._attention_stack import (  # noqa: E402
+from jaxbackend.programs.attention_stack import (  # noqa: E402
     init_attention_stack, name_params, named_attention_stack)
 from jaxbackend.passes import _rewrite  # noqa: E402
 

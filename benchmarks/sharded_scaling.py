@@ -130,10 +130,8 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         rules = None if rules_name == "search" else for_mesh(HAND_RULES[rules_name], names)
         f = jb.jit(step, mesh=mesh, rules=rules)
         compiled = f.lower(params, opt_state, x, y).compile()
-        plan = getattr(f, "plan", None)
-        if plan is not None:
-            out["rules"] = {k: v for k, v in plan.rules.items() if v}
-            out["predicted_memory"] = float(plan.cost.memory)
+        out["rules"] = {k: v for k, v in f.plan.rules.items() if v}   # planned by the trace
+        out["predicted_memory"] = float(f.plan.cost.memory)
     out["seconds"] = time.perf_counter() - t0
     text = compiled.as_text()
     out["collectives"] = sharding.hlo_collectives(text)

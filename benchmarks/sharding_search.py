@@ -32,7 +32,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.par
 
 from benchmarks import _report  # noqa: E402
 from jaxbackend import sharding  # noqa: E402
-from jaxbackend.models import _block as blk  # noqa: E402
+from jaxbackend.programs import llama  # noqa: E402
 from jaxbackend.sharding import _cost, _plan, _search  # noqa: E402
 
 MESHES = {8: (2, 4), 64: (8, 8), 256: (32, 8)}
@@ -41,13 +41,13 @@ SEQ = 2048
 
 def case(n_layers: int, devices: int, *, stacked: bool):
     """One timed search; returns a dict of timings and the plan."""
-    cfg = blk.BlockConfig(n_layers=n_layers, batch=devices, time=SEQ, dtype=jnp.bfloat16,
-                          **blk.LLAMA_8B)
+    cfg = llama.LlamaConfig(n_layers=n_layers, batch=devices, time=SEQ, dtype=jnp.bfloat16,
+                            **llama.LLAMA_8B)
     mesh = sharding.abstract_mesh(MESHES[devices], ("data", "model"))
     t0 = time.perf_counter()
-    args = (blk.name_block_params(blk.block_shapes(cfg, stacked=stacked)),
-            *blk.name_block_batch(*blk.block_batch(None, cfg, abstract=True)))
-    closed, graph, in_tree, out_tree = _plan.trace(blk.sgd_step(blk.named_block_loss), *args)
+    args = (llama.name_llama_params(llama.llama_shapes(cfg, stacked=stacked)),
+            *llama.name_llama_batch(*llama.llama_batch(None, cfg, abstract=True)))
+    closed, graph, in_tree, out_tree = _plan.trace(llama.sgd_step(llama.named_llama_loss), *args)
     spec = sharding.MeshSpec.from_mesh(mesh, "h100")
     cm = _cost.CostModel(graph, spec)
     t1 = time.perf_counter()

@@ -10,12 +10,13 @@ group query heads each) y has shape (batch, time, kv, group, hd) and v
 * expand:    broadcast v to every query head first (`v[..., None, :]`
              expanded, PyTorch's `.expand`), then normalise: the norm is
              computed `group` times per KV head.
+(`jaxbackend.programs.small.xsa_unsqueeze` and `xsa_expand`.)
 
 We compile each with jax.jit (no passes) and with jaxbackend.jit (default
 pipeline, whose `hoist_broadcast` moves the normalisation above the
 broadcast), forward and forward+grad, and report XLA's cost_analysis flops,
 the number of fusions in the compiled HLO, and the median run time.
-Target (issue 3): after the pass, expand flops within 5% of unsqueeze, and
+Target: after the pass, expand flops within 5% of unsqueeze, and
 no more fusions.
 
 Run: python benchmarks/xsa.py [--quick]   (--quick: tiny sizes, no BENCHMARKS.md)
@@ -35,17 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxbackend as jb  # noqa: E402
 from benchmarks import _report  # noqa: E402
-
-
-def xsa_unsqueeze(v, y):
-    vn = (v / jnp.linalg.norm(v, axis=-1, keepdims=True))[:, :, :, None, :]
-    return y - jnp.sum(y * vn, axis=-1, keepdims=True) * vn
-
-
-def xsa_expand(v, y):
-    vb = jnp.broadcast_to(v[:, :, :, None, :], y.shape)
-    vn = vb / jnp.linalg.norm(vb, axis=-1, keepdims=True)
-    return y - jnp.sum(y * vn, axis=-1, keepdims=True) * vn
+from jaxbackend.programs.small import xsa_expand, xsa_unsqueeze  # noqa: E402
 
 
 def _with_grad(form):

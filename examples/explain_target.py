@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend import named as nx
+from jaxbackend.programs.small import xsa_expand
 
 SIZES = dict(batch=2, time=8, embd=16, kv=2, group=2, hidden=32)
 TINY = dict(batch=1, time=4, embd=8, kv=2, group=2, hidden=8)
@@ -52,13 +53,6 @@ def init(key, sizes=SIZES):
     return params, x
 
 
-def _xsa_expand(v, y):
-    """y - (y . v_hat) v_hat, v broadcast to every query head, then normalised."""
-    vb = jnp.broadcast_to(v[:, :, :, None, :], y.shape)
-    vn = vb / jnp.linalg.norm(vb, axis=-1, keepdims=True)
-    return y - jnp.sum(y * vn, axis=-1, keepdims=True) * vn
-
-
 def forward(params, x):
     t = x.shape[1]
     nx_x = nx.as_named(x, ("batch", "time", "embd"))
@@ -74,7 +68,7 @@ def forward(params, x):
     o = nx.dot(a, v.rename(time="time_k"), dim="time_k")
     o = o.transpose("batch", "time", "kv", "group", "hd")
     v_plain = v.transpose("batch", "time", "kv", "hd").values
-    y = nx.as_named(_xsa_expand(v_plain, o.values), o.dims)
+    y = nx.as_named(xsa_expand(v_plain, o.values), o.dims)
     h = (nx_x + nx.dot(y, p["wo"], dim=("kv", "group", "hd"))).transpose("batch", "time", "embd").values
     b, tt, e = h.shape
     m = jax.nn.gelu((h.reshape(-1, e) @ params["w1"]).reshape(b, tt, -1))

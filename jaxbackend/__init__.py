@@ -15,7 +15,7 @@ from jaxbackend.named import NamedArray as NamedArray
 
 # Loaded on first use: they import Flax (about 0.8 s), which a named-array
 # or pass-pipeline user does not need at `import jaxbackend`.
-_LAZY = ("nn", "models", "testing", "sharding", "train")
+_LAZY = ("nn", "models", "programs", "testing", "sharding", "train")
 
 
 def __getattr__(name):

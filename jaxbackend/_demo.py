@@ -14,8 +14,8 @@ import collections
 import jax
 import numpy as np
 
-from jaxbackend.models import _attention_stack as A
 from jaxbackend.named import einsum_p
+from jaxbackend.programs import attention_stack as A
 
 
 def _einsum_lines(jaxpr) -> list[str]:

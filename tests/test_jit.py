@@ -7,7 +7,7 @@ import pytest
 
 import jaxbackend as jb
 from jaxbackend import named as nx
-from jaxbackend.models._attention_stack import init_attention_stack, name_params, named_attention_stack
+from jaxbackend.programs.attention_stack import init_attention_stack, name_params, named_attention_stack
 from jaxbackend.passes import _rewrite
 from jaxbackend.testing import abs_scale, assert_close
 
@@ -137,7 +137,7 @@ def test_static_argname_passed_by_position_and_static_argnum_by_name():
 def _mesh_setup():
     from jax.sharding import AxisType
 
-    from jaxbackend.models import _attention_stack as A
+    from jaxbackend.programs import attention_stack as A
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     x, layers = A.init_attention_stack(jax.random.key(0), 1, batch=8, time=8)
@@ -178,7 +178,7 @@ def _scan_count(closed) -> int:
 
 @pytest.mark.parametrize("reroll, rolled", [(True, True), (False, False), (12, False), (4, True)])
 def test_reroll_is_on_by_default_and_configurable(reroll, rolled):
-    from jaxbackend.models import _transformer as T
+    from jaxbackend.programs import transformer as T
 
     x, layers = T.init_transformer(jax.random.key(1), 6, seq=8, d=32, mlp=64)
     vg = jax.value_and_grad(lambda x, L: T.loop_transformer(x, L)[0], argnums=(0, 1))
@@ -195,7 +195,7 @@ def test_reroll_is_on_by_default_and_configurable(reroll, rolled):
 
 
 def test_default_rolls_from_reroll_min_repeats_layers():
-    from jaxbackend.models import _transformer as T
+    from jaxbackend.programs import transformer as T
     from jaxbackend.passes import REROLL_MIN_REPEATS as k
 
     for n, rolled in ((k - 1, False), (k, True)):
@@ -213,7 +213,7 @@ def test_reroll_argument_is_checked():
 def test_jit_with_mesh_rolls_layers_and_constrains_every_contraction_in_the_loop():
     from jax.sharding import AxisType
 
-    from jaxbackend.models import _attention_stack as A
+    from jaxbackend.programs import attention_stack as A
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     texts = {}

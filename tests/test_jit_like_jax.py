@@ -214,7 +214,7 @@ def test_weak_types_match_jax_jit(scalar, dtype):
 # -- 6. reroll= takes any integer -------------------------------------------------------
 
 def _four_layers():
-    from jaxbackend.models import _transformer as T
+    from jaxbackend.programs import transformer as T
 
     x, layers = T.init_transformer(jax.random.key(1), 4, seq=8, d=32, mlp=64)
     return (lambda x, L: T.loop_transformer(x, L)[0]), x, layers

@@ -41,7 +41,7 @@ def size_conflict(op: str, dim, size_a, size_b, where_a: str, where_b: str) -> D
     )
 
 
-def check_dims_tuple(op: str, dims, arg: str = "dims") -> tuple:
+def check_dims_tuple(op: str, dims, arg: str = "dims") -> tuple[str, ...]:
     """Validate a user-given dims sequence: not a bare string, no duplicates."""
     if isinstance(dims, str):
         raise DimError(

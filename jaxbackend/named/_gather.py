@@ -14,14 +14,16 @@ twin of the same program emits.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxbackend.named import _errors
 from jaxbackend.named._array import NamedArray
-from jaxbackend.named._ops import align
+from jaxbackend.named._elementwise import align
 
 
 def _named_arg(op: str, arg: str, x) -> NamedArray:
@@ -101,8 +103,9 @@ def _gather(op: str, x: NamedArray, idx: NamedArray, k: int, mode, fill_value) -
     return NamedArray(v, dims)
 
 
-def take(x: NamedArray, indices, dim: str, *, index_dims=None, mode=None,
-         fill_value=None) -> NamedArray:
+def take(x: NamedArray, indices: NamedArray | ArrayLike, dim: str, *,
+         index_dims: Sequence[str] | None = None, mode: str | None = None,
+         fill_value: ArrayLike | None = None) -> NamedArray:
     """Gather along `dim` at integer `indices`: xarray's vectorised
     `x.isel({dim: indices})`, the named `jnp.take` / `jnp.take_along_axis`.
 
@@ -133,7 +136,7 @@ def take(x: NamedArray, indices, dim: str, *, index_dims=None, mode=None,
     return _gather("take", x, idx, _axis("take", x, dim), mode, fill_value)
 
 
-def cross_entropy(logits: NamedArray, targets, dim: str) -> NamedArray:
+def cross_entropy(logits: NamedArray, targets: NamedArray | ArrayLike, dim: str) -> NamedArray:
     """Per-position softmax cross entropy of integer class `targets` along
     `dim`: logsumexp(logits, dim) - take(logits, targets, dim), as
     `optax.softmax_cross_entropy_with_integer_labels`.
@@ -163,5 +166,3 @@ def cross_entropy(logits: NamedArray, targets, dim: str) -> NamedArray:
     dims, (p, z) = align("cross_entropy", picked, log_z)
     return NamedArray(z - p, dims)
 
-
-NamedArray.take = take

@@ -16,6 +16,8 @@ place for the new dim); `unstack` splits a dim in place.
 from __future__ import annotations
 
 import math
+from types import EllipsisType
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +25,10 @@ from jax import lax
 
 from jaxbackend.named import _errors
 from jaxbackend.named._array import NamedArray
-from jaxbackend.named._ops import align
+from jaxbackend.named._elementwise import align
 
 
-def _kw(op: str, mapping, kwargs) -> dict:
+def _kw(op: str, mapping: dict | None, kwargs: dict) -> dict:
     if mapping is not None and not isinstance(mapping, dict):
         raise _errors.DimError(f"{op}: pass a dict of dim -> value, or keyword arguments.")
     out = dict(mapping or {})
@@ -34,14 +36,14 @@ def _kw(op: str, mapping, kwargs) -> dict:
     return out
 
 
-def isel(x: NamedArray, indexers=None, **kwargs) -> NamedArray:
+def isel(x: NamedArray, indexers: dict[str, Any] | None = None, **kwargs: Any) -> NamedArray:
     """Select by position: ints drop the dim, slices keep it, 1-d integer
     arrays gather along it (keeping its name), NamedArray indexers gather
     pointwise and replace the dim by the indexer's dims (xarray's vectorised
     indexing)."""
     idx = _kw("isel", indexers, kwargs)
     basic = [slice(None)] * x.ndim
-    dims = list(x.dims)
+    dims: list[str | None] = list(x.dims)
     arrays, named, any_basic = [], {}, False
     for d, i in idx.items():
         k = x.axis(d, "isel")
@@ -101,7 +103,7 @@ def _vectorised(x: NamedArray, named: dict) -> NamedArray:
     return NamedArray(x.values[tuple(key)], dims)
 
 
-def rename(x: NamedArray, mapping=None, **kwargs) -> NamedArray:
+def rename(x: NamedArray, mapping: dict[str, str] | None = None, **kwargs: str) -> NamedArray:
     """Rename dims: `x.rename(time="time_q")` or `x.rename({"time": "time_q"})`."""
     m = {d: new for d, new in _kw("rename", mapping, kwargs).items() if d != new}
     for d, new in m.items():
@@ -115,7 +117,7 @@ def rename(x: NamedArray, mapping=None, **kwargs) -> NamedArray:
     return NamedArray(x.values, dims)
 
 
-def transpose(x: NamedArray, *dims) -> NamedArray:
+def transpose(x: NamedArray, *dims: str | EllipsisType) -> NamedArray:
     """Reorder dims; `...` stands for the dims not named, in their order."""
     if not dims:
         dims = tuple(reversed(x.dims))
@@ -128,19 +130,19 @@ def transpose(x: NamedArray, *dims) -> NamedArray:
         k = dims.index(Ellipsis)
         rest = tuple(d for d in x.dims if d not in dims)
         dims = dims[:k] + rest + dims[k + 1:]
-    _errors.check_dims_tuple("transpose", dims)
-    if set(dims) != set(x.dims):
-        missing = tuple(d for d in x.dims if d not in dims)
+    order = _errors.check_dims_tuple("transpose", dims)
+    if set(order) != set(x.dims):
+        missing = tuple(d for d in x.dims if d not in order)
         raise _errors.DimError(
             f"transpose: dims {_errors.fmt_dims(missing)} of the array are not listed; list "
             f"every dim of {_errors.fmt_dims(x.dims)} or add `...`."
         )
-    if dims == x.dims:
+    if order == x.dims:
         return x
-    return NamedArray(lax.transpose(x.values, tuple(x.dims.index(d) for d in dims)), dims)
+    return NamedArray(lax.transpose(x.values, tuple(x.dims.index(d) for d in order)), order)
 
 
-def expand_dims(x: NamedArray, dim, size: int = 1) -> NamedArray:
+def expand_dims(x: NamedArray, dim: str | dict[str, int], size: int = 1) -> NamedArray:
     """Add a new leading dim (xarray's default place); `dim` may be a dict
     of several name -> size."""
     new = dict(dim) if isinstance(dim, dict) else {dim: size}
@@ -150,7 +152,7 @@ def expand_dims(x: NamedArray, dim, size: int = 1) -> NamedArray:
     return NamedArray(vals, dims)
 
 
-def squeeze(x: NamedArray, dim=None) -> NamedArray:
+def squeeze(x: NamedArray, dim: str | Sequence[str] | None = None) -> NamedArray:
     """Drop size-1 dims (all of them when `dim` is None)."""
     if dim is None:
         names = tuple(d for d, n in zip(x.dims, x.shape) if n == 1)
@@ -168,7 +170,7 @@ def squeeze(x: NamedArray, dim=None) -> NamedArray:
     return NamedArray(lax.squeeze(x.values, axes), tuple(d for d in x.dims if d not in names))
 
 
-def concat(arrays, dim: str) -> NamedArray:
+def concat(arrays: Sequence[NamedArray], dim: str) -> NamedArray:
     """Join along `dim`: an existing dim grows; a new dim is added in front."""
     arrays = list(arrays)
     if not arrays or not all(isinstance(a, NamedArray) for a in arrays):
@@ -191,7 +193,8 @@ def concat(arrays, dim: str) -> NamedArray:
     return NamedArray(jnp.stack(vals, axis=0), (dim,) + first.dims)
 
 
-def stack(x: NamedArray, dims=None, **kwargs) -> NamedArray:
+def stack(x: NamedArray, dims: dict[str, Sequence[str]] | None = None,
+          **kwargs: Sequence[str]) -> NamedArray:
     """Merge dims into one: `nx.stack(x, embd=("head", "hd"))` (row-major)."""
     spec = _kw("stack", dims, kwargs)
     for new, olds in spec.items():
@@ -210,7 +213,8 @@ def stack(x: NamedArray, dims=None, **kwargs) -> NamedArray:
     return x
 
 
-def unstack(x: NamedArray, dims=None, **kwargs) -> NamedArray:
+def unstack(x: NamedArray, dims: dict[str, dict[str, int]] | None = None,
+            **kwargs: dict[str, int]) -> NamedArray:
     """Split a dim in place: `nx.unstack(x, embd={"head": 4, "hd": 16})`."""
     spec = _kw("unstack", dims, kwargs)
     for old, new in spec.items():
@@ -231,7 +235,7 @@ def unstack(x: NamedArray, dims=None, **kwargs) -> NamedArray:
     return x
 
 
-def _getitem(x: NamedArray, key):
+def getitem(x: NamedArray, key: dict[str, Any] | EllipsisType) -> NamedArray:
     if key is Ellipsis:  # x[...] is x itself, as Flax's `variable[...]` reads it
         return x
     if isinstance(key, dict):
@@ -241,7 +245,7 @@ def _getitem(x: NamedArray, key):
         f"{key!r}; positions are ambiguous with names, so use .isel(...).")
 
 
-def _setitem(x: NamedArray, key, value):
+def setitem(x: NamedArray, key: EllipsisType, value: NamedArray) -> None:
     # Only the whole-array replace that Flax's `variable[...] = new` performs:
     # the new values must carry the same dims and sizes (any order).
     if key is not Ellipsis:
@@ -258,14 +262,3 @@ def _setitem(x: NamedArray, key, value):
             raise _errors.size_conflict("NamedArray[...] = new", d, x.sizes[d], value.sizes[d],
                                         "the array", "the new value")
     x.values = value.transpose(*x.dims).values
-
-
-NamedArray.isel = isel
-NamedArray.rename = rename
-NamedArray.transpose = transpose
-NamedArray.expand_dims = expand_dims
-NamedArray.squeeze = squeeze
-NamedArray.stack = stack
-NamedArray.unstack = unstack
-NamedArray.__getitem__ = _getitem
-NamedArray.__setitem__ = _setitem

@@ -36,7 +36,7 @@ class MLP(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
-        if self.activation == "swiglu":
+        if self.gate is not None:      # swiglu
             h = nx.silu(self.gate(x)) * self.up(x)
         else:
             h = nx.gelu(self.up(x))

@@ -30,6 +30,7 @@ import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 MAGIC = b"JAXBACKEND-CKPT-1\n"
@@ -60,8 +61,9 @@ def save(path, state, meta: dict) -> pathlib.Path:
         names.append(leaves[-1].dtype.name)
     buf = io.BytesIO()
     # npz stores bfloat16 as raw 2-byte voids: keep dtype names alongside.
-    np.savez(buf, meta=_json_bytes(meta), dtypes=_json_bytes(names), paths=_json_bytes(paths),
-             **{f"leaf_{i}": x for i, x in enumerate(leaves)})
+    arrays: dict = dict(meta=_json_bytes(meta), dtypes=_json_bytes(names), paths=_json_bytes(paths))
+    arrays.update({f"leaf_{i}": x for i, x in enumerate(leaves)})
+    np.savez(buf, **arrays)
     payload = buf.getvalue()
     digest = hashlib.sha256(payload).hexdigest().encode() + b"\n"
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -157,7 +159,7 @@ def _payload(path) -> bytes:
 
 def _leaf(raw: np.ndarray, name: str):
     if name.startswith(_KEY):
-        return jax.random.wrap_key_data(raw, impl=name[len(_KEY):])
+        return jax.random.wrap_key_data(jnp.asarray(raw), impl=name[len(_KEY):])
     return raw.view(_dtype(name))
 
 

@@ -15,7 +15,6 @@ checkpoint.
 from __future__ import annotations
 
 import functools
-import math
 import pathlib
 import sysconfig
 
@@ -97,7 +96,3 @@ def eval_batches(data: np.ndarray, batch: int, seq: int, max_batches: int = 8) -
     starts = np.linspace(0, span - 1, n).astype(np.int64)
     win = np.stack([data[s: s + seq + 1] for s in starts])
     return [(win[i: i + batch, :-1], win[i: i + batch, 1:]) for i in range(0, n, batch)]
-
-
-def entropy_bits(nats: float) -> float:
-    return nats / math.log(2.0)

@@ -3,8 +3,7 @@
 State is functional: the model is split once into (graphdef, params,
 rest) and `params` is a plain dict (`nnx.to_pure_dict`), so the step is a
 pure function `(params, opt_state, data, step) -> (params, opt_state,
-loss)` that any jit takes (`jaxbackend.jit` when present, else `jax.jit`),
-and a checkpoint is just `{"params", "opt_state"}` plus JSON metadata.
+loss)` compiled with `jaxbackend.jit`, and a checkpoint is just `{"params", "opt_state"}` plus JSON metadata.
 Batches are drawn inside the step from `(seed, step)` (see `_data`), so
 `--resume` replays the exact data order. A checkpoint records every setting
 (`settings`) so a resume can reuse them; the ones that decide the numbers
@@ -18,10 +17,14 @@ it from SIGTERM). A flag polled between steps, not an exception raised from
 the signal handler: an exception could land between a donating step call
 and the assignment of its results, leaving nothing valid to save.
 
-Multi-device (`devices > 1`): a 1-d mesh `data`; rules dim -> mesh axis
-come from `jaxbackend.sharding.search` when it exists (its plan table is
-printed) and otherwise are the data-parallel rule `batch -> data`. Parameter
-shardings follow from the dims each parameter records.
+Multi-device (`devices > 1`): a 1-d mesh `data`; the rules dim -> mesh axis
+are the searched plan of `jaxbackend.sharding.plan` (its table is printed).
+Parameter shardings follow from the dims each parameter records.
+
+`train` runs five stages over one `_Run` record: `_setup` (checks, corpus,
+model, optimizer), `_shard` (devices > 1), `_resume` (optimizer state, from
+the checkpoint on --resume), `_loop` (steps, evaluations, checkpoints) and
+`_finish` (final loss, sample, plot, the result dict).
 """
 
 from __future__ import annotations
@@ -31,19 +34,23 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxbackend import named as nx
-from jaxbackend import nn
+from jaxbackend import nn, sharding
+from jaxbackend.jit import jit
 from jaxbackend.models import GPT, GPTConfig, generate
-from jaxbackend.train import _checkpoint, _data
+from jaxbackend.train import _checkpoint, _data, _plots
 
 CKPT_NAME = "checkpoint.ckpt"
+JIT_NAME = "jaxbackend.jit"   # what `train`'s result and log report as the compiler
 
 
 class Stopped(Exception):
@@ -92,18 +99,6 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
-def compiler():
-    """(jit, name): `jaxbackend.jit` once it exists, else `jax.jit`."""
-    try:
-        from jaxbackend import jit as jb_jit
-        fn = getattr(jb_jit, "jit", jb_jit)
-        if callable(fn):
-            return fn, "jaxbackend.jit"
-    except ImportError:
-        pass
-    return jax.jit, "jax.jit"
-
-
 class Progress:
     """One-line progress bar (step, loss, tokens/s) on a tty, else a line
     every ~5% of the run."""
@@ -142,8 +137,6 @@ class Progress:
 
 
 def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
-    from jax.sharding import AxisType
-
     if jax.device_count() < cfg.devices:
         raise ValueError(f"--devices {cfg.devices} asked for, but JAX sees {jax.device_count()} "
                          f"devices; set --devices before anything imports jax.")
@@ -151,20 +144,41 @@ def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
         raise nx.DimError(f"dim 'batch' has size {cfg.batch}, which the {cfg.devices}-device "
                           f"mesh axis 'data' does not divide; use --batch a multiple of {cfg.devices}.")
     mesh = jax.make_mesh((cfg.devices,), ("data",), axis_types=(AxisType.Auto,))
-    rules = None
-    try:
-        from jaxbackend import sharding
-        if hasattr(sharding, "search"):
-            plan = sharding.search(loss_fn, params, x, y, mesh=mesh)
-            log(plan.table() if hasattr(plan, "table") else str(plan))
-            rules = nn._params.normalize_rules(plan)
-    except ImportError:
-        pass
-    if rules is None:
-        rules = {"batch": "data"}
-        log("sharding plan (data parallel; jaxbackend.sharding.search not available):\n"
-            "  dim batch -> mesh axis data; every parameter replicated")
-    return mesh, rules
+    plan = sharding.plan(loss_fn, params, x, y, mesh=mesh)
+    log(plan.table())
+    return mesh, nn._params.normalize_rules(plan)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the stages of `train` share. `_setup` builds it; `_shard` places
+    `params` and sets `constrain`; `_resume` sets `opt_state` and where the
+    run starts; `_loop` advances `params`, `opt_state` and the histories."""
+
+    cfg: TrainConfig
+    ckpt: pathlib.Path
+    say: Callable[[str], None]
+    model: GPT
+    pstate: nnx.State               # the parameters' dims metadata, for sharding specs
+    params: dict
+    loss_fn: Callable
+    tx: optax.GradientTransformation
+    ids: np.ndarray
+    train_ids: np.ndarray
+    val_ids: np.ndarray
+    baseline: float
+    data: jax.Array
+    eval_fn: Callable
+    val_batches: list
+    constrain: Callable = lambda a: a   # the batch's sharding constraint (`_shard`)
+    opt_state: object = None
+    start: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    val_history: list = dataclasses.field(default_factory=list)
+
+    def evaluate(self) -> float:
+        """Mean validation loss of the current parameters."""
+        return float(np.mean([float(self.eval_fn(self.params, x, y)) for x, y in self.val_batches]))
 
 
 def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
@@ -173,44 +187,75 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
     `on_step(step, history, val_history)` is called after every step (a
     notebook redraws its live loss plot from it). `stop()`, polled after
     every step, True: save a checkpoint and raise `Stopped`."""
-    out = pathlib.Path(cfg.out)
-    ckpt = out / CKPT_NAME
     bar = Progress(cfg.steps, cfg.quiet)
 
     def say(msg):  # on a terminal the bar shares the screen: end its line first
         bar.end_line()
         log(msg)
 
+    run = _setup(cfg, say)
+    if cfg.devices > 1:
+        _shard(run)
+    _resume(run)
+    with bar:  # an error or Ctrl-C mid-bar still ends its line
+        elapsed, t_compile = _loop(run, bar, on_step, stop)
+    return _finish(run, elapsed, t_compile)
+
+
+def _setup(cfg: TrainConfig, say) -> _Run:
+    """Checks a resume can work, then loads the corpus and builds the model
+    and the optimizer."""
+    ckpt = pathlib.Path(cfg.out) / CKPT_NAME
     for tmp in _checkpoint.remove_stale_tmp(ckpt):
         say(f"removed {tmp} (left by a run killed while saving)")
     if cfg.resume:  # fail fast (before data and compile) on a missing or bad checkpoint
         _check_resumable(ckpt, cfg)
     ids = _data.load_corpus(cfg.max_chars)
     train_ids, val_ids = _data.split(ids)
-    baseline = _data.unigram_baseline(train_ids, val_ids)
     model = GPT(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
     params, loss_fn = nn.functional(model, "loss")
-    pstate = nnx.state(model, nnx.Param)  # dims metadata, for sharding specs
-
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))
-    data = jnp.asarray(train_ids)
-    constrain = lambda a: a  # noqa: E731
-    if cfg.devices > 1:
-        x0, y0 = _data.get_batch(data, cfg.seed, 0, cfg.batch, cfg.seq)
-        mesh, rules = _mesh_and_rules(cfg, loss_fn, params, x0, y0, say)
-        nn.check_divisible(pstate, rules, mesh)
-        specs = nn.partition_specs(pstate, rules)
-        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
-        shardings = jax.tree.unflatten(jax.tree.structure(params),
-                                       [jax.sharding.NamedSharding(mesh, s) for s in spec_leaves])
-        params = jax.device_put(params, shardings)
-        batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules.get("batch")))
-        constrain = lambda a: jax.lax.with_sharding_constraint(a, batch_spec)  # noqa: E731
-    opt_state = tx.init(params)
+    return _Run(cfg=cfg, ckpt=ckpt, say=say, model=model, pstate=nnx.state(model, nnx.Param),
+                params=params, loss_fn=loss_fn, tx=tx, ids=ids, train_ids=train_ids,
+                val_ids=val_ids, baseline=_data.unigram_baseline(train_ids, val_ids),
+                data=jnp.asarray(train_ids), eval_fn=jit(loss_fn),
+                val_batches=_data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches))
+
+
+def _shard(run: _Run) -> None:
+    """Searches rules on a 1-d `data` mesh (printing the plan), places the
+    parameters by the dims they record and constrains every batch."""
+    cfg = run.cfg
+    x0, y0 = _data.get_batch(run.data, cfg.seed, 0, cfg.batch, cfg.seq)
+    mesh, rules = _mesh_and_rules(cfg, run.loss_fn, run.params, x0, y0, run.say)
+    nn.check_divisible(run.pstate, rules, mesh)
+    specs = nn.partition_specs(run.pstate, rules)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    shardings = jax.tree.unflatten(jax.tree.structure(run.params),
+                                   [NamedSharding(mesh, s) for s in spec_leaves])
+    run.params = jax.device_put(run.params, shardings)
+    batch_spec = NamedSharding(mesh, PartitionSpec(rules.get("batch")))
+    run.constrain = lambda a: jax.lax.with_sharding_constraint(a, batch_spec)
+
+
+def _resume(run: _Run) -> None:
+    """A fresh optimizer state, or the checkpoint's state and histories
+    (placed like the fresh state)."""
+    run.opt_state = run.tx.init(run.params)
+    if run.cfg.resume:
+        (run.params, run.opt_state), meta = _load(run.ckpt, run.params, run.opt_state, run.cfg)
+        run.start, run.history, run.val_history = meta["step"], meta["history"], meta["val_history"]
+        run.say(f"resumed from {run.ckpt} at step {run.start}")
+
+
+def _step_fn(run: _Run):
+    """The compiled training step; it donates the parameters and the
+    optimizer state."""
+    cfg, loss_fn, tx, constrain = run.cfg, run.loss_fn, run.tx, run.constrain
 
     def train_step(params, opt_state, data, step):
         x, y = _data.get_batch(data, cfg.seed, step, cfg.batch, cfg.seq)
@@ -219,76 +264,84 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jit, jit_name = compiler()
-    step_fn = jit(train_step, donate_argnums=(0, 1))
-    eval_fn = jit(loss_fn)
-    val_batches = _data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches)
+    return jit(train_step, donate_argnums=(0, 1))
 
-    def evaluate(params):
-        return float(np.mean([float(eval_fn(params, x, y)) for x, y in val_batches]))
 
-    start, history, val_history = 0, [], []
-    if cfg.resume:
-        (params, opt_state), meta = _load(ckpt, params, opt_state, cfg)
-        start, history, val_history = meta["step"], meta["history"], meta["val_history"]
-        say(f"resumed from {ckpt} at step {start}")
-    say(f"corpus: {len(ids):,} chars of stdlib source ({len(train_ids):,} train / "
-        f"{len(val_ids):,} val); model: {cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads, "
-        f"{sum(np.size(p) for p in jax.tree.leaves(params)):,} params; compiled with {jit_name}")
-    say(f"unigram baseline (val cross entropy of char frequencies): {baseline:.4f} nats/char")
+def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
+    """Steps from `run.start` to `cfg.steps`, evaluating and checkpointing on
+    schedule; returns (elapsed seconds, seconds of the first step)."""
+    cfg, say = run.cfg, run.say
+    step_fn = _step_fn(run)
+    say(f"corpus: {len(run.ids):,} chars of stdlib source ({len(run.train_ids):,} train / "
+        f"{len(run.val_ids):,} val); model: {cfg.layers} layers, embd {cfg.embd}, {cfg.heads} "
+        f"heads, {sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params; compiled with "
+        f"{JIT_NAME}")
+    say(f"unigram baseline (val cross entropy of char frequencies): {run.baseline:.4f} nats/char")
     tokens = cfg.batch * cfg.seq
-    t_start, t_last, t_compile = time.perf_counter(), time.perf_counter(), None
-    with bar:  # an error or Ctrl-C mid-bar still ends its line
-        for step in range(start, cfg.steps):
-            params, opt_state, loss = step_fn(params, opt_state, data, jnp.int32(step))
-            loss = float(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
-            now = time.perf_counter()
-            if t_compile is None:
-                t_compile = now - t_last
-            tok_s = tokens / max(now - t_last, 1e-9)
-            t_last = now
-            history.append(loss)
-            bar.update(step + 1, loss, tok_s)
-            done = step + 1
-            if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
-                val_history.append((done, evaluate(params)))
-            stopping = stop is not None and stop()
-            if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) or stopping:
-                if done == cfg.steps:
-                    val_history.append((done, evaluate(params)))
-                meta = dict(step=done, config=cfg.model_key(), settings=cfg.settings(),
-                            history=history, val_history=val_history)
-                _checkpoint.save(ckpt, {"params": params, "opt_state": opt_state}, meta)
-                say(f"checkpoint step {done} -> {ckpt}")
-            if on_step is not None:
-                on_step(done, history, val_history)
-            if stopping:
-                raise Stopped(done, ckpt)
-    elapsed = time.perf_counter() - t_start
-    run_steps = cfg.steps - start
-    if not val_history:
-        val_history.append((cfg.steps, evaluate(params)))
-    val = val_history[-1][1]
+    t_start = t_last = time.perf_counter()
+    t_compile = None
+    for step in range(run.start, cfg.steps):
+        run.params, run.opt_state, loss = step_fn(run.params, run.opt_state, run.data,
+                                                  jnp.int32(step))
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
+        now = time.perf_counter()
+        if t_compile is None:
+            t_compile = now - t_last
+        tok_s = tokens / max(now - t_last, 1e-9)
+        t_last = now
+        run.history.append(loss)
+        bar.update(step + 1, loss, tok_s)
+        done = step + 1
+        if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
+            run.val_history.append((done, run.evaluate()))
+        stopping = stop is not None and stop()
+        if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) or stopping:
+            if done == cfg.steps:
+                run.val_history.append((done, run.evaluate()))
+            _save(run, done)
+        if on_step is not None:
+            on_step(done, run.history, run.val_history)
+        if stopping:
+            raise Stopped(done, run.ckpt)
+    return time.perf_counter() - t_start, t_compile
+
+
+def _save(run: _Run, done: int) -> None:
+    meta = dict(step=done, config=run.cfg.model_key(), settings=run.cfg.settings(),
+                history=run.history, val_history=run.val_history)
+    _checkpoint.save(run.ckpt, {"params": run.params, "opt_state": run.opt_state}, meta)
+    run.say(f"checkpoint step {done} -> {run.ckpt}")
+
+
+def _finish(run: _Run, elapsed: float, t_compile) -> dict:
+    """Final validation loss against the baseline, a sample from the trained
+    model, the loss curve; the result dict of `train`."""
+    cfg, say = run.cfg, run.say
+    run_steps = cfg.steps - run.start
+    if not run.val_history:
+        run.val_history.append((cfg.steps, run.evaluate()))
+    val, baseline = run.val_history[-1][1], run.baseline
     say(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
         f"({'below' if val < baseline else 'NOT below'} by {baseline - val:.3f})")
-    nnx.replace_by_pure_dict(pstate, jax.device_get(params))
-    nnx.update(model, pstate)
+    nnx.replace_by_pure_dict(run.pstate, jax.device_get(run.params))
+    nnx.update(run.model, run.pstate)
     sample = ""
     if cfg.sample_chars:
-        prompt = val_ids[: cfg.seq // 2].tolist()
-        sample = _data.decode(generate(model, prompt, cfg.sample_chars,
+        prompt = run.val_ids[: cfg.seq // 2].tolist()
+        sample = _data.decode(generate(run.model, prompt, cfg.sample_chars,
                                        key=jax.random.key(cfg.seed)))
         say("sample (prompt from the validation text, then generated):\n" +
             _data.decode(prompt) + sample)
-    from jaxbackend.train import _plots
-    png = _plots.loss_curve(out / "loss.png", history, val_history, baseline)
+    png = _plots.loss_curve(pathlib.Path(cfg.out) / "loss.png", run.history, run.val_history,
+                            baseline)
     say(f"loss curve -> {png}")
-    return dict(history=history, val_history=val_history, val=val, baseline=baseline,
+    tokens = cfg.batch * cfg.seq
+    return dict(history=run.history, val_history=run.val_history, val=val, baseline=baseline,
                 elapsed=elapsed, steps_run=run_steps, compile_s=t_compile,
                 tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),
-                sample=sample, png=png, ckpt=ckpt, jit=jit_name, params=params)
+                sample=sample, png=png, ckpt=run.ckpt, jit=JIT_NAME, params=run.params)
 
 
 def _check_resumable(ckpt, cfg):

@@ -18,7 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 from jaxbackend import named as nx
-from jaxbackend.models._attention_stack import (init_attention_stack, jnp_attention_stack,
+from jaxbackend.programs.attention_stack import (init_attention_stack, jnp_attention_stack,
                                                  name_params, named_attention_stack)
 from jaxbackend.named import _einsum
 from jaxbackend.testing import abs_scale, assert_close

@@ -20,7 +20,7 @@ import jax
 
 from jaxbackend import _jax
 from jaxbackend import named as nx
-from jaxbackend.models._attention_stack import (init_attention_stack, jnp_attention_stack,
+from jaxbackend.programs.attention_stack import (init_attention_stack, jnp_attention_stack,
                                                  name_params, named_attention_stack)
 from jaxbackend.named._einsum import natural_out_dims
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxbackend import named as nx
 from jaxbackend import nn, testing
+from jaxbackend.jit import jit as jb_jit
 from jaxbackend.models import GPTConfig
 
 from positional_gpt import PlainAttention, PlainMLP
@@ -169,7 +170,6 @@ def test_block_trains_with_nnx_jit_grad_split_merge_and_optax():
 
 
 def test_block_under_jaxbackend_jit_matches_jax_jit():
-    jb_jit = pytest.importorskip("jaxbackend.jit", reason="jaxbackend.jit not built yet").jit
     block = nn.TransformerBlock(16, 4, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxbackend import _jax, testing
-from jaxbackend.models._attention_stack import (init_attention_stack, name_params,
-                                                named_attention_stack)
+from jaxbackend.programs.attention_stack import (init_attention_stack, name_params,
+                                                 named_attention_stack)
 
 
 def _args():
@@ -30,7 +30,6 @@ def test_identity_pass_preserves():
 
 
 def test_default_pipeline_preserves_numerics():
-    pytest.importorskip("jaxbackend.passes")
     rep = testing.assert_pass_preserves(None, named_attention_stack, *_args())
     assert rep["forward"]["eqns_after"] > 0
 

@@ -2,6 +2,7 @@
 `explain` command on the shipped example."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -11,8 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-@pytest.mark.parametrize("name", ["pass_scaling", "dispatch"])  # xsa: below
-def test_benchmark_quick_mode_runs_and_reports(name, capsys, monkeypatch):
+def _quick(name, capsys, monkeypatch) -> str:
+    """stdout of `benchmarks/<name>.py --quick`, which must not write BENCHMARKS.md."""
     import importlib
 
     from benchmarks import _report
@@ -21,10 +22,27 @@ def test_benchmark_quick_mode_runs_and_reports(name, capsys, monkeypatch):
     mod = importlib.import_module(f"benchmarks.{name}")
     assert mod.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    assert "| " in out and ("MET" in out or "MISSED" in out)
+    assert "| " in out
+    return out
 
 
-def test_xsa_quick_meets_both_targets(capsys, monkeypatch):
+def test_pass_scaling_quick_meets_both_targets(capsys, monkeypatch):
+    out = _quick("pass_scaling", capsys, monkeypatch)
+    assert out.count(": MET (target") == 2 and "MISSED" not in out
+
+
+def test_dispatch_quick_keeps_jb_jit_near_jax_jit(capsys, monkeypatch):
+    """The 1.05 target is judged by the full run (41 samples of 2000 calls;
+    BENCHMARKS.md: MET). The quick run's 5 samples of 200 calls on a shared
+    machine scatter by more than 5% (quick runs here measured 0.99 to 1.21),
+    so it asserts what it can measure: a warm jb.jit call costs at most 1.5x
+    a jax.jit call in CPU time."""
+    out = _quick("dispatch", capsys, monkeypatch)
+    worst = float(re.search(r"worst CPU ratio ([0-9.]+)", out).group(1))
+    assert worst <= 1.5, out
+
+
+def test_xsa_quick_meets_the_forward_target_and_lowers_grad_flops(capsys, monkeypatch):
     """At quick sizes the pass makes the expand forward as cheap as unsqueeze;
     with grad it only lowers flops (runtime factors are not sunk: _sink_sum)."""
     from benchmarks import _report, xsa
@@ -40,7 +58,11 @@ def test_xsa_quick_meets_both_targets(capsys, monkeypatch):
         else:
             assert after["flops"] < before["flops"], mode
         assert after["fusions"] <= ref["fusions"], mode
-    assert xsa.render(results, (1, 8, 2, 2, 8)).count("MET (target") == 1
+    # forward: the target is MET; forward+grad: MISSED by design (BENCHMARKS.md),
+    # so it is held to the relation above (fewer flops than jax.jit's expand)
+    verdicts = xsa.render(results, (1, 8, 2, 2, 8))
+    assert verdicts.count("MET (target") == 1
+    assert re.search(r"^- forward: .*: MET \(target", verdicts, re.M), verdicts
 
 
 def test_explain_cli_prints_the_report_for_the_example():

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from jaxbackend import passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.cse import remaining as cse_remaining
-from tests.passes import _programs as P
+from jaxbackend.programs import small as P
+from jaxbackend.testing import check_pass
 
 
 def _dup(x, w1, w2):
@@ -19,13 +20,13 @@ def _dup(x, w1, w2):
 def test_cse_removes_duplicates_forward_and_grad():
     before = jax.make_jaxpr(jax.value_and_grad(_dup))(*P.mlp_args())
     assert cse_remaining(before) > 0
-    fwd, grad = P.check_pass(passes.cse, _dup, P.mlp_args())
+    fwd, grad = check_pass(passes.cse, _dup, P.mlp_args())
     assert _rewrite.count_eqns(fwd, "exp") == 1
     assert cse_remaining(fwd) == 0 and cse_remaining(grad) == 0
 
 
 def test_dce_removes_dead_code_and_keeps_signature():
-    fwd, grad = P.check_pass(passes.dce, _dup, P.mlp_args())
+    fwd, grad = check_pass(passes.dce, _dup, P.mlp_args())
     assert _rewrite.count_eqns(fwd, "tanh") == 1          # only the live tanh
     before = jax.make_jaxpr(_dup)(*P.mlp_args())
     assert [v.aval for v in fwd.jaxpr.invars] == [v.aval for v in before.jaxpr.invars]
@@ -41,7 +42,7 @@ def test_cse_and_dce_recurse_into_scan_bodies():
         return jnp.sum(jax.lax.scan(body, x, w)[0])
 
     args = (P.rand(0, 3, 4), P.rand(1, 2, 4, 4) * 0.3)
-    fwd, _ = P.check_pass(lambda c: passes.dce(passes.cse(c)), f, args)
+    fwd, _ = check_pass(lambda c: passes.dce(passes.cse(c)), f, args)
     assert _rewrite.count_eqns(fwd, "sin") == 1 and _rewrite.count_eqns(fwd, "cos") == 0
     assert _rewrite.count_eqns(fwd, "scan") == 1
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from jaxbackend import passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.fuse_projections import remaining
-from tests.passes import _programs as P
+from jaxbackend.programs import small as P
+from jaxbackend.testing import check_pass
 
 
 def _fuse(closed):
@@ -17,7 +18,7 @@ def test_fuse_hand_written_mlp_forward_and_backward_chains():
     before = jax.make_jaxpr(jax.value_and_grad(P.hand_mlp, argnums=(0, 1, 2)))(*P.mlp_args())
     assert remaining(before) == 6   # 2 forward, 2 input-grad, 2 weight-grad
     with _rewrite.collect_stats() as stats:
-        fwd, grad = P.check_pass(_fuse, P.hand_mlp, P.mlp_args(), argnums=(0, 1, 2))
+        fwd, grad = check_pass(_fuse, P.hand_mlp, P.mlp_args(), argnums=(0, 1, 2))
     assert remaining(fwd) == 0 and remaining(grad) == 0
     assert stats["forward chain fused"] >= 4 and stats["weight-grad chain fused"] >= 2
     # every dot_general now sees the rank-3 activation: batch dims visible

@@ -3,11 +3,12 @@
 import jax
 import jax.numpy as jnp
 
-from jaxbackend import passes
+from jaxbackend import _jax, passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.hoist_broadcast import remaining
 from jaxbackend.testing import abs_scale, assert_close
-from tests.passes import _programs as P
+from jaxbackend.programs import small as P
+from jaxbackend.testing import check_pass
 
 
 def _hoist(closed):
@@ -17,7 +18,7 @@ def _hoist(closed):
 def test_hoist_xsa_expand_forward_grad_idempotent_and_counted():
     flat = passes.inline_calls(jax.make_jaxpr(P.xsa_loss)(*P.xsa_args()))
     assert remaining(flat) >= 1           # mul(vb, vb) on the copies; the rest chain
-    fwd, grad = P.check_pass(_hoist, P.xsa_loss, P.xsa_args())
+    fwd, grad = check_pass(_hoist, P.xsa_loss, P.xsa_args())
     assert remaining(fwd) == 0 and remaining(grad) == 0
 
 
@@ -47,7 +48,7 @@ def test_grad_of_expand_keeps_runtime_factors_inside_the_sum():
         expand = _hoist(jax.make_jaxpr(grad)(v, y))
     assert stats.get("sum sunk past broadcast factors", 0) == 0
     assert remaining(expand) == 0
-    assert_close(P._run(expand, [v, y]), grad(v, y), what="hoisted value_and_grad",
+    assert_close(jax.jit(_jax.jaxpr_as_fun(expand))(v, y), grad(v, y), what="hoisted value_and_grad",
                  scale=lambda: abs_scale(grad, v, y))
 
 

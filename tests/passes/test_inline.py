@@ -6,20 +6,21 @@ import jax.numpy as jnp
 from jaxbackend import passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.inline import remaining
-from tests.passes import _programs as P
+from jaxbackend.programs import small as P
+from jaxbackend.testing import check_pass
 
 
 def test_inline_named_mlp_forward_grad_idempotent_and_no_einsum_left():
     before = jax.make_jaxpr(jax.value_and_grad(P.named_mlp))(*P.mlp_args())
     assert remaining(before)["einsum"] > 0 and remaining(before)["call"] > 0
-    fwd, grad = P.check_pass(passes.inline, P.named_mlp, P.mlp_args())
+    fwd, grad = check_pass(passes.inline, P.named_mlp, P.mlp_args())
     for out in (fwd, grad):
         assert remaining(out) == {"einsum": 0, "call": 0}
         assert _rewrite.count_eqns(out, "dot_general") > 0
 
 
 def test_inline_reaches_into_scan_cond_while_and_remat_without_unrolling():
-    fwd, grad = P.check_pass(passes.inline, P.attention_scan, P.scan_args())
+    fwd, grad = check_pass(passes.inline, P.attention_scan, P.scan_args())
     for out in (fwd, grad):
         assert remaining(out) == {"einsum": 0, "call": 0}
         names = [e.primitive.name for e in out.jaxpr.eqns]

@@ -11,8 +11,8 @@ from jaxbackend import named as nx
 from jaxbackend.passes import pipeline
 from jaxbackend.passes.fuse_projections import remaining as chains_left
 from jaxbackend.passes.inline import remaining as calls_left
-from tests.passes import _programs as P
-from tests.passes._programs import assert_same_values
+from jaxbackend.programs import small as P
+from jaxbackend.testing import assert_same_values
 
 
 def test_registry_order_and_one_line_extension(monkeypatch):

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxbackend import _jax
-from jaxbackend.models import _attention_stack as attn
-from jaxbackend.models import _transformer as T
+from jaxbackend.programs import attention_stack as attn
+from jaxbackend.programs import transformer as T
 from jaxbackend.passes.reroll import reroll, reroll_with_stats
 from jaxbackend.testing import abs_scale, assert_close
-from tests.passes._programs import assert_same_values, check_pass, rand
+from jaxbackend.programs.small import rand
+from jaxbackend.testing import assert_same_values, check_pass
 
 SMALL = dict(batch=1, seq=4, d=16, heads=2, mlp=32)
 

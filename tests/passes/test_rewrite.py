@@ -10,7 +10,7 @@ from jax import lax
 from jaxbackend import _jax, passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.testing import abs_scale, assert_close
-from tests.passes import _programs as P
+from jaxbackend.programs import small as P
 
 
 def _odd_program(x):

@@ -21,14 +21,14 @@ def main(pid: int, port: int, out: str) -> None:
 
     import jaxbackend as jb
     from jaxbackend import sharding
-    from jaxbackend.models import _block as blk
+    from jaxbackend.programs import llama
 
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    cfg = blk.BlockConfig(n_layers=2)
-    params = blk.init_block_params(0, cfg)
-    tokens, targets = blk.block_batch(1, cfg)
-    args = (blk.name_block_params(params), *blk.name_block_batch(tokens, targets))
-    step = blk.sgd_step(blk.named_block_loss)
+    cfg = llama.LlamaConfig(n_layers=2)
+    params = llama.init_llama_params(0, cfg)
+    tokens, targets = llama.llama_batch(1, cfg)
+    args = (llama.name_llama_params(params), *llama.name_llama_batch(tokens, targets))
+    step = llama.sgd_step(llama.named_llama_loss)
     mesh = sharding.auto_mesh((2, 4), ("data", "model"), devices=jax.devices())
     plan = sharding.plan(step, *args, mesh=mesh)
     shardings = plan.shardings(args)

@@ -5,19 +5,19 @@ import jax
 import pytest
 
 from jaxbackend import sharding
-from jaxbackend.models import _block as blk
+from jaxbackend.programs import llama
 
 
 @pytest.fixture(scope="session")
 def block():
-    cfg = blk.BlockConfig(n_layers=2)
-    params = blk.init_block_params(0, cfg)
-    tokens, targets = blk.block_batch(1, cfg)
-    named_args = (blk.name_block_params(params), *blk.name_block_batch(tokens, targets))
-    step = blk.sgd_step(blk.named_block_loss)
+    cfg = llama.LlamaConfig(n_layers=2)
+    params = llama.init_llama_params(0, cfg)
+    tokens, targets = llama.llama_batch(1, cfg)
+    named_args = (llama.name_llama_params(params), *llama.name_llama_batch(tokens, targets))
+    step = llama.sgd_step(llama.named_llama_loss)
     reference = jax.jit(step)(*named_args)   # single device
     return dict(cfg=cfg, params=params, jnp_args=(params, tokens, targets), args=named_args,
-                step=step, jnp_step=blk.sgd_step(blk.jnp_block_loss), reference=reference)
+                step=step, jnp_step=llama.sgd_step(llama.jnp_llama_loss), reference=reference)
 
 
 @pytest.fixture(scope="session")

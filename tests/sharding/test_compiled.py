@@ -103,10 +103,10 @@ def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
 def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
     """Layers stacked and run by `lax.scan`: the model walks the body once
     times the trip count, XLA runs the body's collectives once per trip."""
-    from jaxbackend.models import _block as blk
+    from jaxbackend.programs import llama
 
     params, tokens, targets = block["jnp_args"]
-    args = (blk.name_block_params(blk.stack_block_layers(params)), *blk.name_block_batch(tokens, targets))
+    args = (llama.name_llama_params(llama.stack_llama_layers(params)), *llama.name_llama_batch(tokens, targets))
     f = jb.jit(block["step"], mesh=mesh24, passes=())
     comp = f.lower(*args).compile()
     loss, new = comp(*args)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jaxbackend import sharding
-from jaxbackend.models import _block as blk
+from jaxbackend.programs import llama
 from jaxbackend.sharding import _plan
 
 
@@ -45,10 +45,10 @@ def test_reshape_matmul_reshape_keeps_the_batch_dim(block):
 def test_unnamed_layers_share_keys():
     counts = []
     for n in (1, 3):
-        cfg = blk.BlockConfig(n_layers=n)
-        p = blk.block_shapes(cfg)
-        t = blk.block_batch(None, cfg, abstract=True)
-        g = _graph(blk.sgd_step(blk.jnp_block_loss), (p, *t))
+        cfg = llama.LlamaConfig(n_layers=n)
+        p = llama.llama_shapes(cfg)
+        t = llama.llama_batch(None, cfg, abstract=True)
+        g = _graph(llama.sgd_step(llama.jnp_llama_loss), (p, *t))
         cm = sharding.CostModel(g, sharding.MeshSpec(("x",), (2,)))
         counts.append(len(sharding._search.search_space(cm)[0]))
     assert counts[0] == counts[1]
@@ -59,11 +59,11 @@ def _contract_flops(g):
 
 
 def test_scan_body_is_walked_and_multiplied_by_trip_count():
-    cfg = blk.BlockConfig(n_layers=3)
-    t = blk.name_block_batch(*blk.block_batch(None, cfg, abstract=True))
-    step = blk.sgd_step(blk.named_block_loss)
-    unrolled = _graph(step, (blk.name_block_params(blk.block_shapes(cfg)), *t))
-    scanned = _graph(step, (blk.name_block_params(blk.block_shapes(cfg, stacked=True)), *t))
+    cfg = llama.LlamaConfig(n_layers=3)
+    t = llama.name_llama_batch(*llama.llama_batch(None, cfg, abstract=True))
+    step = llama.sgd_step(llama.named_llama_loss)
+    unrolled = _graph(step, (llama.name_llama_params(llama.llama_shapes(cfg)), *t))
+    scanned = _graph(step, (llama.name_llama_params(llama.llama_shapes(cfg, stacked=True)), *t))
     assert len(scanned.ops) < len(unrolled.ops)
     assert _contract_flops(scanned) == _contract_flops(unrolled)
     mesh = sharding.MeshSpec(("data",), (4,))
@@ -123,6 +123,6 @@ def test_jnp_twin_reaches_the_same_plan(block, mesh24):
 
 
 def test_jnp_twin_after_fuse_projections_reaches_the_same_plan(block, mesh24):
-    passes = pytest.importorskip("jaxbackend.passes")
+    from jaxbackend import passes
     fuse = lambda c: passes.dce(passes.fuse_projections(passes.inline_calls(c)))  # noqa: E731
     _same_plan(block, mesh24, transform=fuse)

@@ -9,7 +9,7 @@ import pytest
 
 import jaxbackend as jb
 from jaxbackend import sharding
-from jaxbackend.models import _block as blk
+from jaxbackend.programs import llama
 from jaxbackend.sharding import _plan, _search
 from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
 
@@ -36,10 +36,10 @@ def _brute_force(cm, budget=np.inf):
 
 @pytest.fixture(scope="module")
 def small():
-    cfg = blk.BlockConfig(n_layers=1, batch=4, time=8, embd=16, kv=2, grp=2, hd=4, mlp=32, vocab=32)
-    args = (blk.name_block_params(blk.block_shapes(cfg)),
-            *blk.name_block_batch(*blk.block_batch(None, cfg, abstract=True)))
-    return blk.sgd_step(blk.named_block_loss), args
+    cfg = llama.LlamaConfig(n_layers=1, batch=4, time=8, embd=16, kv=2, grp=2, hd=4, mlp=32, vocab=32)
+    args = (llama.name_llama_params(llama.llama_shapes(cfg)),
+            *llama.name_llama_batch(*llama.llama_batch(None, cfg, abstract=True)))
+    return llama.sgd_step(llama.named_llama_loss), args
 
 
 @pytest.mark.parametrize("shape,names", [((2,), ("x",)), ((4,), ("x",)), ((2, 2), ("x", "y"))])

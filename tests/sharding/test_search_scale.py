@@ -14,24 +14,24 @@ import numpy as np
 import pytest
 
 from jaxbackend import sharding
-from jaxbackend.models import _block as blk
+from jaxbackend.programs import llama
 from jaxbackend.sharding import _bound, _plan, _search, _tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-SMALL = blk.BlockConfig(n_layers=1, batch=4, time=8, embd=16, kv=2, grp=2, hd=4, mlp=32, vocab=32)
+SMALL = llama.LlamaConfig(n_layers=1, batch=4, time=8, embd=16, kv=2, grp=2, hd=4, mlp=32, vocab=32)
 
 
 def _named(cfg, stacked=False):
-    return blk.sgd_step(blk.named_block_loss), (
-        blk.name_block_params(blk.block_shapes(cfg, stacked=stacked)),
-        *blk.name_block_batch(*blk.block_batch(None, cfg, abstract=True)))
+    return llama.sgd_step(llama.named_llama_loss), (
+        llama.name_llama_params(llama.llama_shapes(cfg, stacked=stacked)),
+        *llama.name_llama_batch(*llama.llama_batch(None, cfg, abstract=True)))
 
 
 def _jnp(cfg):
-    return blk.sgd_step(blk.jnp_block_loss), (blk.block_shapes(cfg),
-                                              *blk.block_batch(None, cfg, abstract=True))
+    return llama.sgd_step(llama.jnp_llama_loss), (llama.llama_shapes(cfg),
+                                              *llama.llama_batch(None, cfg, abstract=True))
 
 
 def _llama_tiny(devices=8, seq=64):
@@ -189,7 +189,7 @@ def test_stopped_or_untabulated_search_says_not_proven(over_limit, monkeypatch):
 
 
 def test_no_plan_fits_under_branch_and_bound():
-    cfg = blk.BlockConfig(n_layers=1, batch=8, time=128, embd=512, kv=4, grp=2, hd=64, mlp=2048, vocab=4096)
+    cfg = llama.LlamaConfig(n_layers=1, batch=8, time=128, embd=512, kv=4, grp=2, hd=64, mlp=2048, vocab=4096)
     step, args = _named(cfg)
     cm = _model(_plan.trace(step, *args)[1], (2, 2), ("x", "y"), "h100")
     budget = 0.01 * 2**30

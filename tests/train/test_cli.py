@@ -127,7 +127,6 @@ def test_error_in_a_fresh_process_has_no_traceback(tmp_path):
 
 
 def test_devices_8_prints_the_searched_plan_and_trains(tmp_path, capsys):
-    pytest.importorskip("jaxbackend.sharding")
     assert jax.device_count() >= 8  # conftest fakes 8 CPU devices
     code = _cli.main(TINY + ["--devices", "8", "--batch", "8", "--steps", "3", "--ckpt-every", "0",
                              "--eval-every", "0", "--sample-chars", "0", "--out", str(tmp_path)])

@@ -1,4 +1,4 @@
-"""The pre-LayerNorm transformer of issue 4, written twice.
+"""A pre-LayerNorm transformer, written twice: as a Python loop and as a scan.
 
 `loop_transformer` is what users write: a Python `for` loop over a list of
 per-layer weight dicts, so the traced jaxpr holds one copy of the layer per
@@ -8,7 +8,7 @@ layer axis (`stack_layers`), which keeps one copy of the layer in the jaxpr.
 They share weights and agree to float reassociation; the `reroll` pass turns
 the first into the second automatically.
 
-Sizes default to the issue's: B=2, S=16, D=64, 4 heads, MLP 256 with gelu.
+Sizes default to B=2, S=16, D=64, 4 heads, MLP 256 with gelu.
 Per layer: LayerNorm -> causal multi-head attention -> residual add ->
 LayerNorm -> gelu MLP -> residual add. Plain jnp only. Both functions return
 `(loss, out)` with loss the sum of the output, for
@@ -21,8 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-DEFAULT_SIZES = dict(batch=2, seq=16, d=64, heads=4, mlp=256)
 
 # sorted, so a layer dict flattens in this order (jax sorts dict keys)
 PARAM_NAMES = ("b1", "b2", "ln1_b", "ln1_g", "ln2_b", "ln2_g", "w1", "w2", "wk", "wo", "wq", "wv")

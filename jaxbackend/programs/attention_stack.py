@@ -2,9 +2,11 @@
 
 `named_attention_stack` uses `jaxbackend.named`; `jnp_attention_stack` is the
 same computation as a person would write it in plain jnp (einsum strings,
-axis numbers). They share weights and must agree to float tolerance. This is
-the program of the xtensor issue that started the project: per layer, four
-contractions, a softmax and a causal `where` mask, a residual add.
+axis numbers). They share weights and must agree to float tolerance. Per
+layer: four contractions, a softmax, a causal `where` mask and a residual
+add: the program whose compile time grows superlinearly with depth in
+PyTensor's xtensor, and the one the demo, the pass-scaling benchmark and
+the notebooks use.
 
 Both return `(loss, out)` where loss is the sum of the output, so
 `jax.value_and_grad(..., has_aux=True)` differentiates the same scalar.
@@ -41,14 +43,15 @@ def init_attention_stack(key, n_layers: int, *, batch=4, time=32, embd=64, head=
     return x, layers
 
 
-_DIMS = dict(wq=("embd", "head", "hd"), wk=("embd", "head", "hd"),
+# the dims of each per-layer weight
+DIMS = dict(wq=("embd", "head", "hd"), wk=("embd", "head", "hd"),
              wv=("embd", "head", "hd"), wo=("head", "hd", "embd"))
 
 
 def name_params(x, layers):
     """The same arrays as NamedArrays."""
     nx_x = nx.as_named(x, ("batch", "time", "embd"))
-    nx_layers = [{k: nx.as_named(v, _DIMS[k]) for k, v in layer.items()} for layer in layers]
+    nx_layers = [{k: nx.as_named(v, DIMS[k]) for k, v in layer.items()} for layer in layers]
     return nx_x, nx_layers
 
 

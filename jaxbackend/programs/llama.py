@@ -1,15 +1,17 @@
-"""A LLaMA-style decoder (GQA attention, SwiGLU MLP, RMSNorm), written twice.
+"""A whole LLaMA-style decoder (token embedding, `n_layers` layers of GQA
+attention and SwiGLU MLP with RMSNorm, final norm, unembedding, cross
+entropy), written twice.
 
-`named_block_loss` uses `jaxbackend.named`: every projection is one named
+`named_llama_loss` uses `jaxbackend.named`: every projection is one named
 `einsum`, so the traced jaxpr says which axis is `batch`, `kv`, `mlp`, ...
-`jnp_block_loss` is the same computation as it is usually written without
+`jnp_llama_loss` is the same computation as it is usually written without
 names: activations flattened to `(batch*time, embd)`, `reshape -> matmul ->
 reshape` around each projection, weights reshaped to matrices, attention with
 `jnp.einsum`. Both take the same parameter pytree (plain arrays for the jnp
-twin, NamedArrays for the named one: `name_block_params`) and must agree to
+twin, NamedArrays for the named one: `name_llama_params`) and must agree to
 float tolerance; the sharding search must reach the same plan for both.
 
-Sizes are a `BlockConfig`; `block_shapes` gives `jax.ShapeDtypeStruct`
+Sizes are a `LlamaConfig`; `llama_shapes` gives `jax.ShapeDtypeStruct`
 parameters (never materialised) for the LLaMA-8B-shaped benchmark.
 `sgd_step` makes either loss a training step (plain SGD, no optimizer state).
 No RoPE: it adds no contraction and no dim, so it does not change the plan.
@@ -28,7 +30,7 @@ from jaxbackend import named as nx
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockConfig:
+class LlamaConfig:
     n_layers: int = 1
     batch: int = 8
     time: int = 16
@@ -54,16 +56,11 @@ _LAYER_DIMS = dict(
 _TOP_DIMS = dict(embed=("vocab", "embd"), norm_f=("embd",), unembed=("embd", "vocab"))
 
 
-def _shape(cfg: BlockConfig, dims) -> tuple:
+def _shape(cfg: LlamaConfig, dims) -> tuple:
     return tuple(getattr(cfg, d) for d in dims)
 
 
-def block_dims():
-    """Dim names of every parameter: {'embed': (...), ..., 'layers': {...}}."""
-    return dict(_TOP_DIMS), dict(_LAYER_DIMS)
-
-
-def init_block_params(seed: int, cfg: BlockConfig) -> dict:
+def init_llama_params(seed: int, cfg: LlamaConfig) -> dict:
     """Plain arrays, scaled so activations stay O(1); norms start at 1.
     (numpy's generator: one device transfer per leaf, no per-shape compiles.)"""
     rng = np.random.default_rng(seed)
@@ -86,11 +83,11 @@ def init_block_params(seed: int, cfg: BlockConfig) -> dict:
     return params
 
 
-def block_shapes(cfg: BlockConfig, *, stacked: bool = False) -> dict:
+def llama_shapes(cfg: LlamaConfig, *, stacked: bool = False) -> dict:
     """The parameter pytree as `jax.ShapeDtypeStruct`s (nothing allocated);
     `stacked`: layers as one dict of arrays with a leading layer axis."""
     sd = lambda dims, lead=(): jax.ShapeDtypeStruct(lead + _shape(cfg, dims), cfg.dtype)  # noqa: E731
-    out = dict(embed=sd(_TOP_DIMS["embed"]), norm_f=sd(("embd",)), unembed=sd(_TOP_DIMS["unembed"]))
+    out: dict = dict(embed=sd(_TOP_DIMS["embed"]), norm_f=sd(("embd",)), unembed=sd(_TOP_DIMS["unembed"]))
     if stacked:
         out["layers"] = {k: sd(d, (cfg.n_layers,)) for k, d in _LAYER_DIMS.items()}
     else:
@@ -98,13 +95,13 @@ def block_shapes(cfg: BlockConfig, *, stacked: bool = False) -> dict:
     return out
 
 
-def stack_block_layers(params: dict) -> dict:
+def stack_llama_layers(params: dict) -> dict:
     """Layers as one dict of arrays stacked on a leading axis (for `scan`)."""
     layers = params["layers"]
     return dict(params, layers={k: jnp.stack([p[k] for p in layers]) for k in layers[0]})
 
 
-def block_batch(seed, cfg: BlockConfig, *, abstract: bool = False):
+def llama_batch(seed, cfg: LlamaConfig, *, abstract: bool = False):
     """(tokens, targets), each (batch, time) int32."""
     shape = (cfg.batch, cfg.time)
     if abstract:
@@ -115,10 +112,10 @@ def block_batch(seed, cfg: BlockConfig, *, abstract: bool = False):
             jnp.asarray(rng.integers(0, cfg.vocab, shape), jnp.int32))
 
 
-def name_block_params(params: dict) -> dict:
+def name_llama_params(params: dict) -> dict:
     """The same leaves wrapped as NamedArrays (works on ShapeDtypeStructs too)."""
     wrap = lambda v, dims: nx.NamedArray(v, dims)  # noqa: E731 (no validation: may be abstract)
-    out = {k: wrap(params[k], d) for k, d in _TOP_DIMS.items()}
+    out: dict = {k: wrap(params[k], d) for k, d in _TOP_DIMS.items()}
     if isinstance(params["layers"], dict):   # stacked: a leading "layer" dim
         out["layers"] = {k: wrap(params["layers"][k], ("layer",) + d) for k, d in _LAYER_DIMS.items()}
     else:
@@ -127,7 +124,7 @@ def name_block_params(params: dict) -> dict:
     return out
 
 
-def name_block_batch(tokens, targets):
+def name_llama_batch(tokens, targets):
     return nx.NamedArray(tokens, ("batch", "time")), nx.NamedArray(targets, ("batch", "time"))
 
 
@@ -151,9 +148,9 @@ def _named_layer(x, p, causal):
     return x + nx.dot(m, p["wd"], dim="mlp")
 
 
-def named_block_loss(params: dict, tokens, targets):
+def named_llama_loss(params: dict, tokens, targets):
     """Mean next-token cross-entropy; tokens/targets NamedArray (batch, time).
-    Stacked layers (`stack_block_layers`) run as one `lax.scan` over "layer"."""
+    Stacked layers (`stack_llama_layers`) run as one `lax.scan` over "layer"."""
     x = params["embed"].isel(vocab=tokens)                         # batch time embd
     t = x.sizes["time"]
     causal = nx.arange(t, dim="time") >= nx.arange(t, dim="time_k")
@@ -179,7 +176,7 @@ def _jnp_rms_norm(x, scale, eps=1e-5):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def jnp_block_loss(params: dict, tokens, targets):
+def jnp_llama_loss(params: dict, tokens, targets):
     """The same loss on plain arrays, projections as 2-d matmuls."""
     b, t = tokens.shape
     x = params["embed"][tokens]                                     # (b, t, e)

@@ -1,0 +1,213 @@
+"""`abs_scale`: the rounding error a program's outputs carry, as the sum of
+|terms| each output entry comes from (the package docstring, 2., 3. and 6.).
+
+`abs_scale` evaluates a jaxpr and, next to every float value, the variance
+of its rounding error in units of u**2 (None: exact). Each operation adds
+its own rounding, (sum|terms|)**2 for a sum or contraction and result**2
+for an elementwise op, to the variances it inherits from its operands,
+weighted by the squared derivative (Higham and Mary's probabilistic
+rounding error analysis: independent zero-mean roundings add in quadrature).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbackend import _jax
+
+# Data movement: each output entry is an input entry, and so is its variance.
+_MOVE = frozenset("""broadcast_in_dim reshape squeeze expand_dims transpose slice dynamic_slice
+dynamic_update_slice gather concatenate pad rev copy copy_p select_n stop_gradient
+optimization_barrier""".split())
+# Linear in all float operands together, coefficients +-1: variances add.
+_SUM = frozenset("add add_any sub neg reduce_sum cumsum reduce_window_sum scatter-add "
+                 "scatter_add".split())
+# Linear in each float operand: var = sum_i op(others**2, var_i).
+_PRODUCT = frozenset("mul dot_general einsum conv_general_dilated".split())
+# Elementwise: var = sum_i (d out / d operand_i)**2 var_i.
+_ELEMENTWISE = frozenset("""
+exp exp2 log log1p expm1 sqrt rsqrt cbrt tanh logistic sin cos tan asin acos atan sinh cosh
+asinh acosh atanh abs sign floor ceil round integer_pow square convert_element_type erf erfc
+erf_inv lgamma digamma reduce_precision div max min pow atan2 rem clamp
+""".split())
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _vdtype(x):
+    """Variances are float32 (float64 for float64 values): no float16 overflow."""
+    return jnp.float64 if jnp.result_type(x) == jnp.float64 else jnp.float32
+
+
+def _filled(vals, vs):
+    """Variances with exact floats as zeros (scan/cond/while need one structure)."""
+    return [(jnp.zeros(jnp.shape(x), _vdtype(x)) if v is None else v) if _is_float(x) else None
+            for x, v in zip(vals, vs)]
+
+
+def _clean(out, var):
+    """0 on non-finite values (compared by pattern); an overflowed or undefined
+    variance on a finite value becomes the largest float (no information)."""
+    big = jnp.finfo(var.dtype).max
+    return jnp.where(jnp.isfinite(out), jnp.where(jnp.isfinite(var), var, big), 0).astype(var.dtype)
+
+
+def _var_eval(closed, args, vs) -> tuple:
+    """(outputs, their variances) of `closed` on args with variances vs."""
+    env: dict = {}
+    var: dict = {}
+
+    def read(v):
+        return (v.val, None) if isinstance(v, _jax.Literal) else (env[v], var.get(v))
+
+    env.update(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+    var.update(zip(closed.jaxpr.invars, vs))
+    for eqn in closed.jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs, out_vs = _var_rule(eqn, [x for x, _ in ins], [v for _, v in ins])
+        env.update(zip(eqn.outvars, outs))
+        var.update(zip(eqn.outvars, out_vs))
+    outs = [read(v) for v in closed.jaxpr.outvars]
+    return [x for x, _ in outs], [v for _, v in outs]
+
+
+def _var_rule(eqn, vals, vs):
+    name, body = eqn.primitive.name, _jax.call_body(eqn)
+    if body is not None:
+        return _var_eval(body, vals, vs)
+    if name in ("scan", "cond", "while"):
+        return {"scan": _var_scan, "cond": _var_cond, "while": _var_while}[name](eqn, vals, vs)
+    outs = _jax.bind_eqn(eqn, vals)
+    floats = [_is_float(o) for o in outs]
+    if not any(floats) or (name in _MOVE and all(v is None for v in vs)):
+        return outs, [None] * len(outs)
+    if name in _MOVE:
+        filled = _filled(vals, vs)
+        moved = _jax.bind_eqn(eqn, [w if _is_float(x) else x for x, w in zip(vals, filled)])
+        return outs, [_clean(o, w) for o, w in zip(outs, moved)]
+    dt = _vdtype(outs[0])
+    zero = [jnp.zeros(jnp.shape(x), dt) if w is None and _is_float(x) else w
+            for x, w in zip(vals, vs)]
+    if name in ("reduce_max", "reduce_min"):    # the extreme entry's own (ties: the largest)
+        axes = _jax.reduce_axes(eqn)
+        hit = vals[0] == jnp.expand_dims(outs[0], axes)
+        return outs, [_clean(outs[0], jnp.max(jnp.where(hit, zero[0].astype(dt), 0), axis=axes))]
+    if name == "convert_element_type" and _is_float(vals[0]) and (
+            jnp.finfo(outs[0].dtype).nmant >= jnp.finfo(jnp.result_type(vals[0])).nmant):
+        return outs, [None if vs[0] is None else vs[0].astype(dt)]   # widening: exact
+    if name in _SUM or name in _PRODUCT:
+        def op(ops):
+            if name in ("sub", "neg"):
+                return ops[0] + ops[1] if name == "sub" else ops[0]
+            return _jax.bind_eqn_as(eqn, ops, dt)[0].astype(dt)
+        absv = [jnp.abs(x).astype(dt) if _is_float(x) else x for x in vals]
+        var = 0 if name == "neg" else jnp.square(op(absv))      # this op's own rounding
+        if name in _SUM:
+            var = var + op([w.astype(dt) if _is_float(x) else x for x, w in zip(vals, zero)])
+        else:
+            sq = [jnp.square(a) if _is_float(x) else a for a, x in zip(absv, vals)]
+            for i, w in enumerate(vs):
+                if w is not None:
+                    var = var + op(sq[:i] + [w.astype(dt)] + sq[i + 1:])
+        return outs, [_clean(outs[0], var)]
+    if name in _ELEMENTWISE:
+        var = jnp.square(outs[0].astype(dt))
+        for i, w in enumerate(vs):
+            if w is not None:
+                def f(xi, i=i):
+                    return _jax.bind_eqn(eqn, vals[:i] + [xi] + vals[i + 1:])[0]
+                _, d = jax.jvp(f, (vals[i],), (jnp.ones_like(vals[i]),))
+                var = var + jnp.where(w > 0, jnp.square(d.astype(dt)) * w.astype(dt), 0)
+        return outs, [_clean(outs[0], var)]
+    # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
+    # largest variance of an operand (assumes it does not amplify errors).
+    carried = sum((jnp.max(w) for w in vs if w is not None), jnp.float32(0))
+    return outs, [_clean(o, jnp.square(o.astype(_vdtype(o))) + carried.astype(_vdtype(o)))
+                  if f else None for o, f in zip(outs, floats)]
+
+
+def _var_scan(eqn, vals, vs):
+    body, nc, ncarry, length, reverse = _jax.scan_parts(eqn)
+
+    def step(carry, x):
+        outs, out_vs = _var_eval(body, [*vals[:nc], *carry[0], *x[0]], [*vs[:nc], *carry[1], *x[1]])
+        out_vs = _filled(outs, out_vs)
+        return (outs[:ncarry], out_vs[:ncarry]), (outs[ncarry:], out_vs[ncarry:])
+
+    carry = vals[nc:nc + ncarry]
+    (c, cv), (ys, yv) = jax.lax.scan(step, (carry, _filled(carry, vs[nc:nc + ncarry])),
+                                     (vals[nc + ncarry:], vs[nc + ncarry:]),
+                                     length=length, reverse=reverse)
+    return [*c, *ys], [*cv, *yv]
+
+
+def _var_cond(eqn, vals, vs):
+    def branch(b):
+        def f(ops, op_vs):
+            outs, out_vs = _var_eval(b, ops, op_vs)
+            return outs, _filled(outs, out_vs)
+        return f
+    return jax.lax.switch(vals[0], [branch(b) for b in _jax.cond_branches(eqn)], vals[1:], vs[1:])
+
+
+def _var_while(eqn, vals, vs):
+    cond, cn, body, bn = _jax.while_parts(eqn)
+
+    def step(carry):
+        outs, out_vs = _var_eval(body, [*vals[cn:cn + bn], *carry[0]], [*vs[cn:cn + bn], *carry[1]])
+        return outs, _filled(outs, out_vs)
+
+    carry = vals[cn + bn:]
+    c, cv = jax.lax.while_loop(lambda c: _jax.eval_jaxpr(cond, *vals[:cn], *c[0])[0], step,
+                               (carry, _filled(carry, vs[cn + bn:])))
+    return list(c), list(cv)
+
+
+def abs_scale(fn, *args):
+    """The `scale` for comparing `fn(*args)` with another evaluation of it.
+
+    For a sum or contraction it is the sum of |terms| of every output entry:
+
+        abs_scale(jnp.matmul, a, b)              # sum_k |a_ik b_kj|
+        abs_scale(lambda t: t.sum(0), terms)     # sum_i |t_ij|
+
+    For any program it is the same quantity carried through: each operation
+    contributes its own sum|terms| (|result| for an elementwise op), carried
+    to the outputs by |derivative| and added in quadrature (independent
+    zero-mean roundings; Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019),
+    so one sum gets exactly sum|terms| and `rtol` means the same for both.
+    Inputs are exact. Calls, custom_jvp/vjp (their primal), checkpoint,
+    scan, cond and while are followed; data movement and max/min move the
+    scale; operations it does not know (sort, callbacks, ...) add their own
+    rounding to their operands' largest. Non-finite outputs get 0 (their
+    pattern is compared exactly). A gradient that cancels (a bias whose
+    gradient is zero by symmetry is rounding noise of size eps * sum|terms|)
+    is compared at the scale of the program that computes it:
+
+        abs_scale(jax.grad(loss), params, batch)
+
+    Returns numpy float64 arrays in fn's output structure.
+    """
+    leaves, tree = jax.tree.flatten(args)
+    closed, shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
+                                   return_shape=True)(*leaves)
+    scales = jax.jit(lambda *xs: [None if v is None else jnp.sqrt(v) for v in
+                                  _var_eval(closed, xs, [None] * len(xs))[1]])(*leaves)
+    return jax.tree.unflatten(jax.tree.structure(shape),
+                              [np.zeros(o.shape) if s is None else np.asarray(s, np.float64)
+                               for o, s in zip(jax.tree.leaves(shape), scales)])
+
+
+def lazy_scales(fn, *args):
+    """scale_for(k): a lazy `scale` (see assert_close) for output leaf k of fn,
+    abs_scale computed once, on first need (it costs a compile)."""
+    scales = functools.cache(lambda: jax.tree.leaves(abs_scale(fn, *args)))
+    return lambda k: lambda: scales()[k]
+
