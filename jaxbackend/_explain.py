@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import os
-import pathlib
 import sys
+
+from jaxbackend._scripts import load_callable
 
 
 class ExplainError(ValueError):
@@ -28,23 +28,8 @@ class ExplainError(ValueError):
 
 def load_target(spec: str):
     """'path/to/script.py:function' -> (function, args tuple)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise ExplainError(f"target {spec!r} is not 'path/to/script.py:function'; "
-                           f"add ':<function name>' after the script path.")
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise ExplainError(f"script {path!r} does not exist; give a path to a .py file.")
-    sys.path.insert(0, str(file.resolve().parent))
-    mod_spec = importlib.util.spec_from_file_location(f"_explain_{file.stem}", file)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ExplainError(f"script {path!r} cannot be loaded as a module; give a .py file.")
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ExplainError(f"{path} has no function {name!r}; functions there: {', '.join(found)}.")
+    module, fn = load_callable(spec, "function", ExplainError)
+    path, name = spec.rpartition(":")[::2]
     for attr in (f"example_inputs_{name}", "example_inputs"):
         maker = getattr(module, attr, None)
         if callable(maker):

@@ -7,5 +7,6 @@ in `jaxbackend.programs`.
 from jaxbackend.models._gpt import GPT as GPT
 from jaxbackend.models._gpt import GPTConfig as GPTConfig
 from jaxbackend.models._gpt import generate as generate
+from jaxbackend.models._gpt import lm_loss as lm_loss
 
-__all__ = ["GPT", "GPTConfig", "generate"]
+__all__ = ["GPT", "GPTConfig", "generate", "lm_loss"]

@@ -22,8 +22,9 @@ counters) map to replicated specs.
 from __future__ import annotations
 
 import itertools
-import warnings
 import math
+import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -163,10 +164,11 @@ def annotate_logical_axes(module: nnx.Module) -> nnx.Module:
     return module
 
 
-def functional(model: nnx.Module, method: str = "loss"):
+def functional(model: nnx.Module, method: str | Callable = "loss"):
     """`(params, fn)`: the model's parameters as a pure dict of arrays and
     `fn(params, *args, key=None, **kwargs)` calling `model.<method>(*args,
-    **kwargs)` with those params.
+    **kwargs)` with those params; `method` may also be a function, called
+    as `method(model, *args, **kwargs)` (a loss written against the module).
 
     For `jax.value_and_grad`, optax and `jb.jit`, which want functions of
     plain pytrees. `fn` is pure, so any jit or grad may trace it: it reads
@@ -186,7 +188,10 @@ def functional(model: nnx.Module, method: str = "loss"):
     def fn(params, *args, key=None, **kwargs):
         state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
         nnx.replace_by_pure_dict(state, params)
-        return getattr(nnx.merge(graphdef, state, _fresh_rest(rest, key)), method)(*args, **kwargs)
+        module = nnx.merge(graphdef, state, _fresh_rest(rest, key))
+        if callable(method):
+            return method(module, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
 
     return nnx.to_pure_dict(pstate), fn
 

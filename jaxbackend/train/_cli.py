@@ -1,4 +1,5 @@
-"""`python -m jaxbackend train`: train a char-level GPT on the stdlib source.
+"""`python -m jaxbackend train`: train a char-level GPT on the stdlib source,
+or your own model (`--model script.py:build`) on your own text (`--data FILE`).
 
 Flags map one-to-one onto `TrainConfig`. Where a setting comes from, first
 match wins: a flag given on the command line; with `--resume`, the value the
@@ -34,7 +35,8 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
                 sample_chars=300, warmup=30)
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
-OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1)
+OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None)
+GPT_FLAGS = ("layers", "embd", "heads")   # shape the built-in GPT only
 CKPT_NAME = "checkpoint.ckpt"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
 # Settings a resume must keep: they decide the numbers (see `TrainConfig.model_key`).
 FIXED_ON_RESUME = ("batch", "seq", "layers", "embd", "heads", "lr", "seed", "max_chars",
@@ -91,6 +93,12 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--embd", type=pi, help="model width")
     p.add_argument("--heads", type=pi, help="attention heads")
     p.add_argument("--lr", type=pf, help="peak AdamW learning rate")
+    p.add_argument("--data", metavar="FILE",
+                   help="a text file to train on (chars; default: the stdlib source)")
+    p.add_argument("--model", metavar="SCRIPT.py:NAME",
+                   help="your model: NAME(vocab_size=, seq_len=, rngs=) returns an nnx.Module whose "
+                        "loss(tokens, targets) method, or else whose logits, are trained "
+                        "(default: the built-in GPT)")
     p.add_argument("--seed", type=_nonneg_int, help="init and data-order seed")
     p.add_argument("--out", help="folder for checkpoint and loss.png")
     p.add_argument("--ckpt-every", type=_nonneg_int,
@@ -129,6 +137,19 @@ def parse(argv):
             raise _UsageError("--overwrite starts a new run and --resume continues one; "
                               "give only one of them")
         _take_checkpoint_settings(args, given, run / CKPT_NAME)
+    if args.model is not None:
+        shaped = [_flag(k) for k in GPT_FLAGS if k in given]
+        if shaped:
+            raise _UsageError(f"{', '.join(shaped)} shape the built-in GPT, and --model builds "
+                              f"its own model; drop {', '.join(shaped)} (set them in your factory)")
+        # Only the path is checked here: running the script would create JAX's
+        # client before --devices is set (the loop loads it).
+        script = args.model.rpartition(":")[0]
+        if not script or not pathlib.Path(script).is_file():
+            raise _UsageError(f"--model {args.model}: {script or args.model!r} is not a .py file; "
+                              f"give path/to/script.py:<factory name>")
+    if args.data is not None and not pathlib.Path(args.data).is_file():
+        raise _UsageError(f"--data {args.data}: no such file; give a path to a text file")
     if args.embd % args.heads:
         raise _UsageError(f"--embd {args.embd} does not divide by --heads {args.heads}; "
                           f"pick --embd a multiple of --heads")

@@ -6,6 +6,10 @@ given Python), keep ASCII (anything else becomes `?`) and encode each char as
 its code point, so the vocabulary is exactly 128 ids and needs no table.
 The last `val_fraction` of the text is the validation split.
 
+Your own data: `load_text(path)` reads a text file the same way (`--data
+FILE`), and `as_ids` takes a text or an array of token ids (a vocabulary
+larger than 128 is then `vocab_size(ids)`).
+
 Batches are a pure function of (seed, step): step `s` draws its window
 offsets from `fold_in(key(seed), s)`. A resumed run therefore sees exactly
 the batches the uninterrupted run would have, with no data-loader state to
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import sysconfig
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +63,38 @@ def load_corpus(max_chars: int = 2_000_000) -> np.ndarray:
     return ids
 
 
+def load_text(path, max_chars: int = 2_000_000) -> np.ndarray:
+    """Token ids of the first `max_chars` characters of the text file `path`."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file; give a path to a text file.")
+    return as_ids(file.read_text(encoding="utf-8", errors="replace")[:max_chars], f"--data {path}")
+
+
+def as_ids(data, what: str = "data") -> np.ndarray:
+    """A text (encoded as chars) or a 1-d array of non-negative int token ids,
+    as a read-only int32 array."""
+    ids = encode(data) if isinstance(data, str) else np.asarray(data)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{what} is an array of shape {ids.shape} and dtype {ids.dtype}; give a "
+                         f"text or a 1-d array of integer token ids.")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"{what} holds a negative token id {ids.min()}; ids must be >= 0.")
+    ids = ids.astype(np.int32)
+    ids.setflags(write=False)
+    return ids
+
+
+def vocab_size(ids: np.ndarray) -> int:
+    """The vocabulary the model needs: the 128 chars, or more if ids go higher."""
+    return max(VOCAB, int(ids.max()) + 1 if ids.size else 0)
+
+
+def fingerprint(ids: np.ndarray) -> str:
+    """A checksum of the token ids: a resume must see the same data."""
+    return f"{zlib.crc32(np.ascontiguousarray(ids, dtype=np.int32).tobytes()):08x}-{len(ids)}"
+
+
 def split(ids: np.ndarray, val_fraction: float = 0.1):
     """(train, val): the last `val_fraction` of the text is validation."""
     if not 0.0 < val_fraction < 1.0:
@@ -69,7 +106,8 @@ def split(ids: np.ndarray, val_fraction: float = 0.1):
 def unigram_baseline(train: np.ndarray, val: np.ndarray) -> float:
     """Cross entropy (nats/char) of val under train's character frequencies
     (add-one smoothed): what a model that ignores context can reach."""
-    counts = np.bincount(train, minlength=VOCAB).astype(np.float64) + 1.0
+    vocab = vocab_size(np.concatenate([train, val]))
+    counts = np.bincount(train, minlength=vocab).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[val].mean())
 

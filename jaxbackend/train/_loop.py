@@ -1,4 +1,15 @@
-"""The training loop: a char-level GPT, AdamW, evaluation, checkpoints.
+"""The training loop: a char-level language model, AdamW, evaluation, checkpoints.
+
+What is trained, on what: the built-in GPT on the stdlib source by default;
+your own model, loss and data through `train(cfg, model=, loss=, data=)` or
+`TrainConfig(model="path/to/script.py:build", data="file.txt")` (the CLI's
+`--model`/`--data`). A model is an `nnx.Module`, or a factory called as
+`build(vocab_size=, seq_len=, rngs=)` that returns one; the loss is
+`loss(model, tokens, targets) -> scalar`, by default `model.loss(tokens,
+targets)` where the model has one, else the mean next-token cross entropy
+of `model(tokens)`'s logits (`models.lm_loss`). Data is a text (encoded as
+chars) or a 1-d array of token ids. The checkpoint records which model
+and a fingerprint of the data, and a resume must see the same.
 
 State is functional: the model is split once into (graphdef, params,
 rest) and `params` is a plain dict (`nnx.to_pure_dict`), so the step is a
@@ -46,7 +57,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxbackend import named as nx
 from jaxbackend import nn, sharding
 from jaxbackend.jit import jit
-from jaxbackend.models import GPT, GPTConfig, generate
+from jaxbackend import _scripts
+from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
 from jaxbackend.train import _checkpoint, _data, _plots
 
 CKPT_NAME = "checkpoint.ckpt"
@@ -82,13 +94,16 @@ class TrainConfig:
     weight_decay: float = 0.1
     warmup: int = 30
     quiet: bool = False
+    data: str | None = None    # a text file to train on; None: the stdlib source
+    model: str | None = None   # "path/to/script.py:build", a model factory; None: the GPT
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
                          embd=self.embd, heads=self.heads)
 
     def model_key(self) -> dict:
-        """What a checkpoint must agree on to be resumed (`steps` may grow)."""
+        """The settings a checkpoint must agree on to be resumed (`steps` may
+        grow); `train` adds which model and a checksum of the data."""
         return dict(batch=self.batch, seq=self.seq, layers=self.layers, embd=self.embd,
                     heads=self.heads, lr=self.lr, seed=self.seed, steps=self.steps,
                     max_chars=self.max_chars, warmup=self.warmup, weight_decay=self.weight_decay)
@@ -158,7 +173,9 @@ class _Run:
     cfg: TrainConfig
     ckpt: pathlib.Path
     say: Callable[[str], None]
-    model: GPT
+    identity: dict                  # what a resume must agree on (`_check_resumable`)
+    source: str                     # what the data is, for the log
+    model: nnx.Module
     pstate: nnx.State               # the parameters' dims metadata, for sharding specs
     params: dict
     loss_fn: Callable
@@ -181,19 +198,24 @@ class _Run:
         return float(np.mean([float(self.eval_fn(self.params, x, y)) for x, y in self.val_batches]))
 
 
-def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
+def train(cfg: TrainConfig, log=print, on_step=None, stop=None, *, model=None, loss=None,
+          data=None) -> dict:
     """Run (or resume) training; returns losses, timings and paths.
 
-    `on_step(step, history, val_history)` is called after every step (a
-    notebook redraws its live loss plot from it). `stop()`, polled after
-    every step, True: save a checkpoint and raise `Stopped`."""
+    `model`: an `nnx.Module` or a factory `build(vocab_size=, seq_len=,
+    rngs=)` (default: `cfg.model`, else the GPT of `cfg`). `loss(model,
+    tokens, targets)`: default the model's `loss` method, else cross entropy
+    of its logits. `data`: a text or 1-d token ids (default: `cfg.data`, else
+    the stdlib source). `on_step(step, history, val_history)` is called after
+    every step (a notebook redraws its live loss plot from it). `stop()`,
+    polled after every step, True: save a checkpoint and raise `Stopped`."""
     bar = Progress(cfg.steps, cfg.quiet)
 
     def say(msg):  # on a terminal the bar shares the screen: end its line first
         bar.end_line()
         log(msg)
 
-    run = _setup(cfg, say)
+    run = _setup(cfg, say, model, loss, data)
     if cfg.devices > 1:
         _shard(run)
     _resume(run)
@@ -202,28 +224,67 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None) -> dict:
     return _finish(run, elapsed, t_compile)
 
 
-def _setup(cfg: TrainConfig, say) -> _Run:
-    """Checks a resume can work, then loads the corpus and builds the model
-    and the optimizer."""
+def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
+    """Loads the data, builds the model, checks a resume can work (before
+    anything compiles) and builds the optimizer."""
     ckpt = pathlib.Path(cfg.out) / CKPT_NAME
     for tmp in _checkpoint.remove_stale_tmp(ckpt):
         say(f"removed {tmp} (left by a run killed while saving)")
-    if cfg.resume:  # fail fast (before data and compile) on a missing or bad checkpoint
-        _check_resumable(ckpt, cfg)
-    ids = _data.load_corpus(cfg.max_chars)
+    if cfg.resume:  # fail fast on a missing or unreadable checkpoint
+        _checkpoint.read_meta(ckpt)
+    ids, source = _load_data(cfg, data)
     train_ids, val_ids = _data.split(ids)
-    model = GPT(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
-    params, loss_fn = nn.functional(model, "loss")
+    model, model_name = _build_model(cfg, model, _data.vocab_size(ids))
+    identity = {**cfg.model_key(), "model": model_name, "data": _data.fingerprint(ids)}
+    if cfg.resume:
+        _check_resumable(ckpt, identity)
+    params, loss_fn = nn.functional(model, _loss_of(model, loss))
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))
-    return _Run(cfg=cfg, ckpt=ckpt, say=say, model=model, pstate=nnx.state(model, nnx.Param),
+    return _Run(cfg=cfg, ckpt=ckpt, say=say, identity=identity, source=source, model=model,
+                pstate=nnx.state(model, nnx.Param),
                 params=params, loss_fn=loss_fn, tx=tx, ids=ids, train_ids=train_ids,
                 val_ids=val_ids, baseline=_data.unigram_baseline(train_ids, val_ids),
                 data=jnp.asarray(train_ids), eval_fn=jit(loss_fn),
                 val_batches=_data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches))
+
+
+def _load_data(cfg: TrainConfig, data) -> tuple:
+    """(token ids, what they are): `data`, `cfg.data` (a file), or the stdlib."""
+    if data is not None:
+        ids = _data.as_ids(data[: cfg.max_chars] if isinstance(data, str) else data)
+        return ids, "the given text" if isinstance(data, str) else "the given token ids"
+    if cfg.data is not None:
+        return _data.load_text(cfg.data, cfg.max_chars), cfg.data
+    return _data.load_corpus(cfg.max_chars), "stdlib source"
+
+
+def _build_model(cfg: TrainConfig, model, vocab: int) -> tuple:
+    """(the module, the name a checkpoint records for it)."""
+    if model is None and cfg.model is not None:
+        model = _scripts.load_callable(cfg.model, "model factory")[1]
+    if model is None:
+        return GPT(dataclasses.replace(cfg.model_config(), vocab_size=vocab),
+                   rngs=nnx.Rngs(cfg.seed)), "GPT"
+    if not isinstance(model, nnx.Module):
+        factory, model = model, model(vocab_size=vocab, seq_len=cfg.seq, rngs=nnx.Rngs(cfg.seed))
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"the model factory {getattr(factory, '__name__', factory)} returned "
+                            f"{type(model).__name__}; it must return an nnx.Module.")
+    return model, cfg.model or type(model).__qualname__
+
+
+def _loss_of(model: nnx.Module, loss):
+    """`loss(model, tokens, targets)`: the given one, the model's method, or
+    cross entropy of the model's logits."""
+    if loss is not None:
+        return loss
+    if callable(getattr(model, "loss", None)):
+        return lambda m, x, y: m.loss(x, y)
+    return lambda m, x, y: lm_loss(m(x), y)
 
 
 def _shard(run: _Run) -> None:
@@ -272,9 +333,11 @@ def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
     schedule; returns (elapsed seconds, seconds of the first step)."""
     cfg, say = run.cfg, run.say
     step_fn = _step_fn(run)
-    say(f"corpus: {len(run.ids):,} chars of stdlib source ({len(run.train_ids):,} train / "
-        f"{len(run.val_ids):,} val); model: {cfg.layers} layers, embd {cfg.embd}, {cfg.heads} "
-        f"heads, {sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params; compiled with "
+    shape = (f"{cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads"
+             if isinstance(run.model, GPT) else run.identity["model"])
+    say(f"corpus: {len(run.ids):,} tokens of {run.source} ({len(run.train_ids):,} train / "
+        f"{len(run.val_ids):,} val); model: {shape}, "
+        f"{sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params; compiled with "
         f"{JIT_NAME}")
     say(f"unigram baseline (val cross entropy of char frequencies): {run.baseline:.4f} nats/char")
     tokens = cfg.batch * cfg.seq
@@ -309,7 +372,7 @@ def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
 
 
 def _save(run: _Run, done: int) -> None:
-    meta = dict(step=done, config=run.cfg.model_key(), settings=run.cfg.settings(),
+    meta = dict(step=done, config=run.identity, settings=run.cfg.settings(),
                 history=run.history, val_history=run.val_history)
     _checkpoint.save(run.ckpt, {"params": run.params, "opt_state": run.opt_state}, meta)
     run.say(f"checkpoint step {done} -> {run.ckpt}")
@@ -331,7 +394,7 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
     if cfg.sample_chars:
         prompt = run.val_ids[: cfg.seq // 2].tolist()
         sample = _data.decode(generate(run.model, prompt, cfg.sample_chars,
-                                       key=jax.random.key(cfg.seed)))
+                                       key=jax.random.key(cfg.seed), seq_len=cfg.seq))
         say("sample (prompt from the validation text, then generated):\n" +
             _data.decode(prompt) + sample)
     png = _plots.loss_curve(pathlib.Path(cfg.out) / "loss.png", run.history, run.val_history,
@@ -344,19 +407,20 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
                 sample=sample, png=png, ckpt=run.ckpt, jit=JIT_NAME, params=run.params)
 
 
-def _check_resumable(ckpt, cfg):
+def _check_resumable(ckpt, identity: dict):
     meta = _checkpoint.read_meta(ckpt)
     saved = meta.get("config", {})
     # Older checkpoints lack some keys: compare what they recorded.
-    diff = [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
-            for k, v in cfg.model_key().items() if k != "steps" and k in saved and saved[k] != v]
+    diff = [f"the data differs (checksum {saved[k]} in the checkpoint, {v} now)" if k == "data"
+            else f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
+            for k, v in identity.items() if k != "steps" and k in saved and saved[k] != v]
     if diff:
         raise _checkpoint.CheckpointError(
             f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
             f"resume with the checkpoint's settings.")
-    if cfg.steps < meta["step"]:
+    if identity["steps"] < meta["step"]:
         raise _checkpoint.CheckpointError(
-            f"steps={cfg.steps} is below the checkpoint's step {meta['step']}; resume with "
+            f"steps={identity['steps']} is below the checkpoint's step {meta['step']}; resume with "
             f"steps >= {meta['step']} (more steps extend the run).")
 
 

@@ -89,3 +89,22 @@ def test_attention_softmax_in_float32_under_bf16():
     jaxpr = jax.make_jaxpr(lambda x: attn(x).values)(_x(BF16))
     maxes = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "reduce_max"]
     assert maxes and all(e.invars[0].aval.dtype == F32 for e in maxes)
+
+
+def test_gpt_mixed_precision_f32_params_bf16_logits_f32_loss():
+    from jaxbackend.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layers=2, embd=16, heads=4, kv_heads=2, seq_len=8)
+    ref, low = GPT(cfg, rngs=nnx.Rngs(0)), GPT(cfg, dtype=BF16, rngs=nnx.Rngs(0))
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(low, nnx.Param))} == {jnp.dtype(F32)}
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)
+    assert low(tokens).dtype == BF16
+    loss = low.loss(tokens, tokens)
+    assert loss.dtype == F32
+    grads = nnx.grad(lambda m: m.loss(tokens, tokens))(low)
+    assert {g.dtype for g in jax.tree.leaves(nnx.state(grads, nnx.Param))} == {jnp.dtype(F32)}
+    # Against the float32 GPT, within bfloat16's error model of the logits.
+    graphdef, state = nnx.split(ref)
+    scale = testing.abs_scale(lambda s: nnx.merge(graphdef, s)(tokens).values, state)
+    testing.assert_close(low(tokens).values.astype(F32), ref(tokens).values, scale=scale,
+                         rtol=testing.tolerance(BF16)[0], what="GPT logits")
