@@ -13,8 +13,10 @@ JAX for devices (importing jax is fine; the client is created lazily; reading
 a checkpoint's metadata creates none).
 
 A fresh run refuses a `--out` that already holds a run (a checkpoint or a
-loss plot) unless `--overwrite`. SIGTERM ends the run after the current step
-with a checkpoint, one line on stderr and status 143 (128 + SIGTERM).
+loss plot) unless `--overwrite`. SIGTERM, or a first Ctrl-C (SIGINT), ends
+the run after the current step with a checkpoint, one line on stderr and
+status 128 + the signal (143, 130); a second Ctrl-C interrupts at once
+(mid-compile, say) without saving.
 
 Every expected failure (bad flag, missing or corrupt checkpoint, dims that
 do not divide the mesh, loss blow-up) prints ONE line `error: ...` to stderr
@@ -210,16 +212,23 @@ def main(argv=None) -> int:
             (pathlib.Path(args.out) / name).unlink(missing_ok=True)
     cfg = _loop.TrainConfig(**{f: getattr(args, f) for f in _loop.TrainConfig.__dataclass_fields__
                                if hasattr(args, f)})
-    # SIGTERM (kill, a scheduler's preemption) only raises a flag: the loop
-    # saves after the step in flight and raises `Stopped`.
-    terms = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+    # SIGTERM (kill, a scheduler's preemption) and a first Ctrl-C only raise
+    # a flag: the loop saves after the step in flight and raises `Stopped`.
+    signals: list = []
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT and signals:
+            raise KeyboardInterrupt   # a second Ctrl-C: stop now
+        signals.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        _loop.train(cfg, log=lambda s: print(s, flush=True), stop=lambda: bool(terms))
+        _loop.train(cfg, log=lambda s: print(s, flush=True), stop=lambda: bool(signals))
     except _loop.Stopped as e:
-        print(f"stopped by SIGTERM after step {e.step}; checkpoint saved to {e.ckpt}; rerun with "
+        name = signal.Signals(signals[0]).name
+        print(f"stopped by {name} after step {e.step}; checkpoint saved to {e.ckpt}; rerun with "
               f"--resume to continue", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 + signals[0]
     except (CheckpointError, ValueError, FloatingPointError, OSError) as e:
         msg = " ".join(str(e).split())
         print(f"error: {msg}", file=sys.stderr)
@@ -229,5 +238,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0

@@ -24,7 +24,7 @@ not bitwise the run that had the larger `steps` from the start).
 
 Stopping: `train(..., stop=fn)` calls `fn()` after every step; when it
 returns True the loop saves a checkpoint and raises `Stopped` (the CLI sets
-it from SIGTERM). A flag polled between steps, not an exception raised from
+it from SIGTERM and a first Ctrl-C). A flag polled between steps, not an exception raised from
 the signal handler: an exception could land between a donating step call
 and the assignment of its results, leaving nothing valid to save.
 

@@ -118,7 +118,8 @@ def test_resume_reuses_the_checkpoints_flags_and_more_steps_extend(tmp_path, mon
         dict(embd=16, seq=16, batch=2, lr=0.002, max_chars=_cli.TINY["max_chars"])
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path, sig):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxbackend", "train", *SMALL, "--steps", "5000", "--quiet",
@@ -127,13 +128,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path):
                             text=True)
     for line in proc.stdout:
         if line.startswith("unigram baseline"):  # the last line before the first step
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert proc.returncode == 128 + sig, err[-2000:]
     step = _checkpoint.read_meta(tmp_path / "checkpoint.ckpt")["step"]
     assert 1 <= step < 5000
-    assert err.strip() == (f"stopped by SIGTERM after step {step}; checkpoint saved to "
+    assert err.strip() == (f"stopped by {sig.name} after step {step}; checkpoint saved to "
                            f"{tmp_path / 'checkpoint.ckpt'}; rerun with --resume to continue")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.ckpt"]
 
