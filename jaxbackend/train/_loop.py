@@ -24,9 +24,10 @@ not bitwise the run that had the larger `steps` from the start).
 
 Stopping: `train(..., stop=fn)` calls `fn()` after every step; when it
 returns True the loop saves a checkpoint and raises `Stopped` (the CLI sets
-it from SIGTERM and a first Ctrl-C). A flag polled between steps, not an exception raised from
-the signal handler: an exception could land between a donating step call
-and the assignment of its results, leaving nothing valid to save.
+it from SIGTERM and a first Ctrl-C). A flag polled between steps, not an
+exception raised from the signal handler: an exception could land between
+a donating step call and the assignment of its results, leaving nothing
+valid to save.
 
 Multi-device (`devices > 1`): a 1-d mesh `data`; the rules dim -> mesh axis
 are the searched plan of `jaxbackend.sharding.plan` (its table is printed).
