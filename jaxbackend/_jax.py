@@ -167,6 +167,24 @@ def as_closed(j) -> ClosedJaxpr:
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
 
 
+# JAX 0.10: `partial_eval.dce_jaxpr` is the dead-code elimination jit runs
+# itself (partial evaluation, remat). Its per-primitive rules (`dce_rules`)
+# prune unused outputs and inputs of `scan`, `while`, `cond`, `jit` and
+# custom-derivative equations, rewriting their bodies to match; the default
+# rule drops an effect-free equation none of whose outputs is read.
+# `instantiate=True` keeps every input of the jaxpr itself.
+from jax.interpreters import partial_eval as _pe  # noqa: E402
+
+
+def dce_keeping_signature(j):
+    """`j` with dead code removed by JAX's own rules, sub-jaxpr signatures
+    included (a `scan` output nobody reads goes, and so does its stacking in
+    the body); `j`'s own inputs and outputs stay."""
+    jaxpr, consts = jaxpr_parts(j)
+    new, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return jaxpr_rebuilt(j, new, consts or ())
+
+
 def has_sub_jaxprs(eqn) -> bool:
     """Does a param of `eqn` hold a (Closed)Jaxpr, directly or in a tuple?"""
     # Fast path: most params are ints, dtypes or tuples of ints.

@@ -3,22 +3,32 @@
 Precondition: any ClosedJaxpr.
 
 Invariant established: in every (sub-)jaxpr, every effect-free equation has
-at least one output that is read (by a later equation or as a jaxpr output);
-dead effect-free equations are removed, one backward sweep per jaxpr (a
-reverse walk marks what is live, so chains of dead code go in one sweep:
-linear in the number of equations).
+at least one output that is read (by a later equation or as a jaxpr output),
+and no `scan`/`while`/`cond`/`jit` equation has an output nobody reads or an
+input its body does not read (a loop carry stays while the loop reads it).
+Two steps, each linear in the number of equations:
+1. JAX's own dead-code elimination (`_jax.dce_keeping_signature`: the DCE
+   `jax.jit` runs in partial evaluation) prunes the signatures of loops and
+   calls, with their bodies. This is what matters after `reroll`: the
+   forward scan of an AD program stacks per-layer residuals for the backward
+   scan, and one the backward body never reads (a broadcast constant, say)
+   would otherwise stay a stacked output of L x its size, which XLA removes
+   and the sharding memory model would count.
+2. One backward sweep per jaxpr (a reverse walk marks what is live, so
+   chains of dead code go in one sweep) counts what is still dead and drops
+   unused constvars.
 
-Leaves alone: equations with effects (kept even when unread), the jaxpr's
-inputs and outputs (unused inputs stay: the signature is the caller's), and
-the signatures of sub-jaxprs (an unused output of a `scan` or `jit` body is
-kept, since the enclosing equation's type must not change; dead equations
-*inside* the body are removed). Unused constvars are dropped.
+Leaves alone: equations with effects (kept even when unread) and the
+program's own inputs and outputs (unused inputs stay: the signature is the
+caller's).
 
 When it preserves `jax.jit`'s results: always, exactly. It only removes
-equations that have no effects and whose outputs nothing reads, so every
-output is computed by the same equations from the same inputs, with the
-same shapes, dtypes and weak types. (An unread equation that would have
-overflowed or produced nan cannot change an output: nothing reads it.)
+equations that have no effects and whose outputs nothing reads, and loop or
+call outputs nothing reads together with the body code that only they
+needed, so every read output is computed by the same equations from the same
+inputs, with the same shapes, dtypes and weak types. (An unread equation
+that would have overflowed or produced nan cannot change an output: nothing
+reads it.)
 
 Not a rule table: liveness flows backwards, which the forward rule driver
 cannot express. The backward sweep runs under the shared traversal instead
@@ -72,6 +82,15 @@ def dce(closed):
     def subs(eqn):
         return _rewrite.map_subjaxprs(eqn, memo, sub)
 
+    eqns, outs = _rewrite.count_eqns(closed), _call_outputs(closed)
+    closed = _jax.dce_keeping_signature(closed)
+    # (a body shared by two equations may come back as two copies: clamp)
+    stats["dead removed"] += max(0, eqns - _rewrite.count_eqns(closed))
+    stats["loop/call outputs removed"] += max(0, outs - _call_outputs(closed))
     out = sub(closed)
     _rewrite.record_stats(stats)
     return out
+
+
+def _call_outputs(closed) -> int:
+    return sum(len(e.outvars) for e in _rewrite.iter_eqns(closed) if _jax.has_sub_jaxprs(e))

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jaxbackend import passes
+from jaxbackend import _jax, passes
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.cse import remaining as cse_remaining
 from jaxbackend.programs import small as P
@@ -57,3 +57,60 @@ def test_cse_keeps_effectful_equations():
     n = _rewrite.count_eqns(closed, "debug_print")
     assert n == 2
     assert _rewrite.count_eqns(passes.dce(passes.cse(closed)), "debug_print") == n
+
+
+def _unread_loop_values(closed):
+    """(scan outputs nobody reads, scan inputs its body never reads), everywhere."""
+    def read(jaxpr):
+        return {v for v in [*(x for e in jaxpr.eqns for x in e.invars), *jaxpr.outvars]
+                if _jax.is_var(v)}
+
+    unread_out = unread_in = 0
+    for jaxpr in _rewrite.iter_jaxprs(closed):
+        outer = read(jaxpr)
+        for e in jaxpr.eqns:
+            if e.primitive.name == "scan":
+                body = _jax.open_jaxpr(_jax.scan_parts(e)[0])
+                body_read = read(body)
+                unread_out += sum(v not in outer for v in e.outvars)
+                unread_in += sum(v not in body_read for v in body.invars)
+    return unread_out, unread_in
+
+
+def test_dce_prunes_scan_outputs_nobody_reads_and_inputs_the_body_ignores():
+    def f(x, w, unused):
+        def body(h, xs):
+            wi, ui = xs
+            big = jnp.broadcast_to(jnp.float32(-1.0), (16, 16)) + 0 * h.sum()   # stacked, dead
+            return jnp.tanh(h @ wi), big
+        h, _ = jax.lax.scan(body, x, (w, unused))
+        return jnp.sum(h)
+
+    args = (P.rand(0, 3, 4), P.rand(1, 5, 4, 4) * 0.3, P.rand(2, 5, 7))
+    before = jax.make_jaxpr(f)(*args)
+    assert _unread_loop_values(before) == (1, 1)
+    fwd, grad = check_pass(passes.dce, f, args)
+    assert _unread_loop_values(fwd) == (0, 0)
+    assert _unread_loop_values(grad) == (0, 0)
+    assert [v.aval for v in fwd.jaxpr.invars] == [v.aval for v in before.jaxpr.invars]
+
+
+def test_dce_drops_the_dead_residual_a_rolled_gpt_step_stacks():
+    # reroll's forward scan stacks, per layer, a broadcast constant that the
+    # backward scan never reads; XLA drops it, and so must dce (the sharding
+    # memory model reads the program after dce).
+    from flax import nnx
+
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layers=4, embd=16, heads=2, seq_len=8), rngs=nnx.Rngs(0))
+    params, loss = nn.functional(model, "loss")
+    x = jnp.zeros((2, 8), jnp.int32)
+    closed = jax.make_jaxpr(jax.value_and_grad(loss))(params, x, x)
+    rolled = closed
+    for name in ("reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "cse"):
+        rolled = getattr(passes, name)(rolled)    # the pipeline up to dce
+    assert _rewrite.count_eqns(rolled, "scan") >= 2
+    assert _unread_loop_values(rolled) != (0, 0)
+    assert _unread_loop_values(passes.dce(rolled)) == (0, 0)
