@@ -37,12 +37,14 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
                 sample_chars=300, warmup=30)
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
-OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None)
-GPT_FLAGS = ("layers", "embd", "heads")   # shape the built-in GPT only
+OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None,
+                      dtype="float32", accum=1, clip=1.0)
+GPT_FLAGS = ("layers", "embd", "heads", "dtype")   # set the built-in GPT only
 CKPT_NAME = "checkpoint.ckpt"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
+RUN_FILES = (CKPT_NAME, "loss.png", "metrics.jsonl")   # what a run leaves in --out
 # Settings a resume must keep: they decide the numbers (see `TrainConfig.model_key`).
 FIXED_ON_RESUME = ("batch", "seq", "layers", "embd", "heads", "lr", "seed", "max_chars",
-                   "warmup", "weight_decay")
+                   "warmup", "weight_decay", "dtype", "accum", "clip")
 
 
 class _UsageError(Exception):
@@ -78,6 +80,16 @@ def _nonneg_int(s):
     return v
 
 
+def _nonneg_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a valid float") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number >= 0")
+    return v
+
+
 def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     """The train command's parser. `given_only=True`: no defaults at all, so
     the parsed namespace holds exactly the flags on the command line."""
@@ -95,6 +107,13 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--embd", type=pi, help="model width")
     p.add_argument("--heads", type=pi, help="attention heads")
     p.add_argument("--lr", type=pf, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=_nonneg_int,
+                   help="linear learning-rate warmup steps, then cosine decay to lr/10")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="the GPT's compute dtype (parameters and optimizer stay float32)")
+    p.add_argument("--accum", type=pi,
+                   help="gradient accumulation: micro-batches of --batch per optimizer step")
+    p.add_argument("--clip", type=_nonneg_float, help="gradient global-norm clip, 0 = none")
     p.add_argument("--data", metavar="FILE",
                    help="a text file to train on (chars; default: the stdlib source)")
     p.add_argument("--model", metavar="SCRIPT.py:NAME",
@@ -142,7 +161,7 @@ def parse(argv):
     if args.model is not None:
         shaped = [_flag(k) for k in GPT_FLAGS if k in given]
         if shaped:
-            raise _UsageError(f"{', '.join(shaped)} shape the built-in GPT, and --model builds "
+            raise _UsageError(f"{', '.join(shaped)} configure the built-in GPT, and --model builds "
                               f"its own model; drop {', '.join(shaped)} (set them in your factory)")
         # Only the path is checked here: running the script would create JAX's
         # client before --devices is set (the loop loads it).
@@ -159,7 +178,7 @@ def parse(argv):
         raise _UsageError(f"--seq {args.seq} must be at least 2")
     # After the flag checks: a bad flag is reported as such even where --out
     # already holds a run (the README's main job leaves one in runs/train).
-    held = [n for n in (CKPT_NAME, "loss.png") if (run / n).exists()]
+    held = [n for n in RUN_FILES if (run / n).exists()]
     if not args.resume and held and not args.overwrite:
         raise _UsageError(f"--out {run} already holds a run ({', '.join(held)}); pass --resume "
                           f"to continue it, --overwrite to replace it, or another --out")
@@ -208,7 +227,7 @@ def main(argv=None) -> int:
     from jaxbackend.train._checkpoint import CheckpointError
 
     if args.overwrite:
-        for name in (CKPT_NAME, "loss.png"):
+        for name in RUN_FILES:
             (pathlib.Path(args.out) / name).unlink(missing_ok=True)
     cfg = _loop.TrainConfig(**{f: getattr(args, f) for f in _loop.TrainConfig.__dataclass_fields__
                                if hasattr(args, f)})

@@ -42,6 +42,7 @@ the checkpoint on --resume), `_loop` (steps, evaluations, checkpoints) and
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import sys
@@ -63,6 +64,8 @@ from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
 from jaxbackend.train import _checkpoint, _data, _plots
 
 CKPT_NAME = "checkpoint.ckpt"
+METRICS_NAME = "metrics.jsonl"   # one JSON object per step and per evaluation
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 JIT_NAME = "jaxbackend.jit"   # what `train`'s result and log report as the compiler
 
 
@@ -97,17 +100,26 @@ class TrainConfig:
     quiet: bool = False
     data: str | None = None    # a text file to train on; None: the stdlib source
     model: str | None = None   # "path/to/script.py:build", a model factory; None: the GPT
+    dtype: str = "float32"     # the GPT's compute dtype; parameters stay float32
+    accum: int = 1             # micro-batches of `batch` averaged per optimizer step
+    clip: float = 1.0          # gradient global-norm clip, 0 = none
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
                          embd=self.embd, heads=self.heads)
+
+    def compute_dtype(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}; pick one.")
+        return DTYPES[self.dtype]
 
     def model_key(self) -> dict:
         """The settings a checkpoint must agree on to be resumed (`steps` may
         grow); `train` adds which model and a checksum of the data."""
         return dict(batch=self.batch, seq=self.seq, layers=self.layers, embd=self.embd,
                     heads=self.heads, lr=self.lr, seed=self.seed, steps=self.steps,
-                    max_chars=self.max_chars, warmup=self.warmup, weight_decay=self.weight_decay)
+                    max_chars=self.max_chars, warmup=self.warmup, weight_decay=self.weight_decay,
+                    dtype=self.dtype, accum=self.accum, clip=self.clip)
 
     def settings(self) -> dict:
         """Every field a resume may reuse (not where the run lives or how it prints)."""
@@ -176,6 +188,7 @@ class _Run:
     say: Callable[[str], None]
     identity: dict                  # what a resume must agree on (`_check_resumable`)
     source: str                     # what the data is, for the log
+    schedule: Callable              # step -> learning rate
     model: nnx.Module
     pstate: nnx.State               # the parameters' dims metadata, for sharding specs
     params: dict
@@ -243,9 +256,10 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))
-    return _Run(cfg=cfg, ckpt=ckpt, say=say, identity=identity, source=source, model=model,
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), adamw) if cfg.clip else adamw
+    return _Run(cfg=cfg, ckpt=ckpt, say=say, identity=identity, source=source, schedule=schedule,
+                model=model,
                 pstate=nnx.state(model, nnx.Param),
                 params=params, loss_fn=loss_fn, tx=tx, ids=ids, train_ids=train_ids,
                 val_ids=val_ids, baseline=_data.unigram_baseline(train_ids, val_ids),
@@ -269,6 +283,7 @@ def _build_model(cfg: TrainConfig, model, vocab: int) -> tuple:
         model = _scripts.load_callable(cfg.model, "model factory")[1]
     if model is None:
         return GPT(dataclasses.replace(cfg.model_config(), vocab_size=vocab),
+                   dtype=None if cfg.dtype == "float32" else cfg.compute_dtype(),
                    rngs=nnx.Rngs(cfg.seed)), "GPT"
     if not isinstance(model, nnx.Module):
         factory, model = model, model(vocab_size=vocab, seq_len=cfg.seq, rngs=nnx.Rngs(cfg.seed))
@@ -319,12 +334,22 @@ def _step_fn(run: _Run):
     optimizer state."""
     cfg, loss_fn, tx, constrain = run.cfg, run.loss_fn, run.tx, run.constrain
 
+    def loss_and_grads(params, data, batch_index):
+        x, y = _data.get_batch(data, cfg.seed, batch_index, cfg.batch, cfg.seq)
+        return jax.value_and_grad(loss_fn)(params, constrain(x), constrain(y))
+
     def train_step(params, opt_state, data, step):
-        x, y = _data.get_batch(data, cfg.seed, step, cfg.batch, cfg.seq)
-        x, y = constrain(x), constrain(y)
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        if cfg.accum == 1:
+            loss, grads = loss_and_grads(params, data, step)
+        else:  # the mean over micro-batches step*accum .. step*accum + accum-1
+            def micro(total, i):
+                return jax.tree.map(jnp.add, total,
+                                    loss_and_grads(params, data, step * cfg.accum + i)), None
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            total, _ = jax.lax.scan(micro, zero, jnp.arange(cfg.accum))
+            loss, grads = jax.tree.map(lambda t: t / cfg.accum, total)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, (loss, optax.tree.norm(grads))
 
     return jit(train_step, donate_argnums=(0, 1))
 
@@ -341,12 +366,13 @@ def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
         f"{sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params; compiled with "
         f"{JIT_NAME}")
     say(f"unigram baseline (val cross entropy of char frequencies): {run.baseline:.4f} nats/char")
-    tokens = cfg.batch * cfg.seq
+    tokens = cfg.batch * cfg.seq * cfg.accum
+    metrics = _metrics_log(run)
     t_start = t_last = time.perf_counter()
     t_compile = None
     for step in range(run.start, cfg.steps):
-        run.params, run.opt_state, loss = step_fn(run.params, run.opt_state, run.data,
-                                                  jnp.int32(step))
+        run.params, run.opt_state, (loss, gnorm) = step_fn(run.params, run.opt_state, run.data,
+                                                           jnp.int32(step))
         loss = float(loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --lr.")
@@ -358,18 +384,41 @@ def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
         run.history.append(loss)
         bar.update(step + 1, loss, tok_s)
         done = step + 1
+        metrics(step=done, loss=loss, lr=float(run.schedule(step)), grad_norm=float(gnorm),
+                tok_s=round(tok_s, 1))
         if cfg.eval_every and (done % cfg.eval_every == 0) and done != cfg.steps:
             run.val_history.append((done, run.evaluate()))
+            metrics(step=done, val_loss=run.val_history[-1][1])
         stopping = stop is not None and stop()
         if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) or stopping:
             if done == cfg.steps:
                 run.val_history.append((done, run.evaluate()))
+                metrics(step=done, val_loss=run.val_history[-1][1])
             _save(run, done)
         if on_step is not None:
             on_step(done, run.history, run.val_history)
         if stopping:
             raise Stopped(done, run.ckpt)
     return time.perf_counter() - t_start, t_compile
+
+
+def _metrics_log(run: _Run) -> Callable:
+    """`log(**fields)` appends one JSON line to OUT/metrics.jsonl (a notebook
+    plots it with `pandas.read_json(path, lines=True)`). A resumed run first
+    drops the lines past its checkpoint's step (a killed run logged steps it
+    never saved), so the file tells the history of the weights on disk."""
+    path = pathlib.Path(run.cfg.out) / METRICS_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if run.start and path.exists():
+        kept = [ln for ln in path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= run.start]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(**fields) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(fields) + "\n")
+    return log
 
 
 def _save(run: _Run, done: int) -> None:
@@ -401,7 +450,7 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
     png = _plots.loss_curve(pathlib.Path(cfg.out) / "loss.png", run.history, run.val_history,
                             baseline)
     say(f"loss curve -> {png}")
-    tokens = cfg.batch * cfg.seq
+    tokens = cfg.batch * cfg.seq * cfg.accum
     return dict(history=run.history, val_history=run.val_history, val=val, baseline=baseline,
                 elapsed=elapsed, steps_run=run_steps, compile_s=t_compile,
                 tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),

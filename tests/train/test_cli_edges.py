@@ -136,7 +136,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path, sig):
     assert 1 <= step < 5000
     assert err.strip() == (f"stopped by {sig.name} after step {step}; checkpoint saved to "
                            f"{tmp_path / 'checkpoint.ckpt'}; rerun with --resume to continue")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.ckpt", "metrics.jsonl"]
 
 
 def test_explain_unknown_pass_is_one_line(capsys):

@@ -175,7 +175,7 @@ def test_cli_trains_a_model_script_on_a_data_file(tmp_path, factory_file):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "bigram.py:build", "--layers", "3"],
-     "--layers shape the built-in GPT, and --model builds its own model; drop --layers"),
+     "--layers configure the built-in GPT, and --model builds its own model; drop --layers"),
     (["--model", "missing.py:build"], "--model missing.py:build: 'missing.py' is not a .py file"),
     (["--model", "bigram.py:nope"], "bigram.py has no model factory 'nope'; callables there: "),
     (["--data", "missing.txt"], "--data missing.txt: no such file"),
