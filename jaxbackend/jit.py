@@ -254,6 +254,9 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     label = getattr(fn, "__name__", "fn")
     planner = None if mesh is None else _Planner(mesh, rules, memory_budget, profile,
                                                  in_shardings, out_shardings)
+    donate_names = jax_jit_kwargs.get("donate_argnames") or ()
+    donate = (_index_tuple(donate_argnums) or (),
+              (donate_names,) if isinstance(donate_names, str) else tuple(donate_names))
     holder: list = []
 
     @functools.wraps(fn)  # jax.jit reads fn's name and signature through this
@@ -262,7 +265,9 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
         closed, report = _pipeline.run_pipeline(t.closed, passes, label=label)
         if _transform is not None:
             closed = _pipeline.checked("_transform", _transform, closed)
-        plan = None if planner is None else planner(t._replace(closed=closed))
+        plan = (None if planner is None else
+                planner(t._replace(closed=closed), _donated_leaves(args, kwargs, static_argnums,
+                                                                   static_argnames, *donate)))
         if holder:
             holder[0].trace_count += 1
             holder[0].last_report = report
@@ -294,6 +299,19 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     return jitted
 
 
+def _donated_leaves(args, kwargs, static_argnums, static_argnames, nums, names) -> tuple:
+    """Per leaf of the traced (dynamic args, dynamic kwargs): is its buffer
+    donated (`donate_argnums` / `donate_argnames`, as jax.jit reads them)?"""
+    n = len(args)
+    nums = {i % n for i in nums if -n <= i < n}
+    statics = {i % n for i in static_argnums if -n <= i < n}
+    flags = (tuple(jax.tree.map(lambda _, d=i in nums: d, a)
+                   for i, a in enumerate(args) if i not in statics),
+             {k: jax.tree.map(lambda _, d=k in names: d, v)
+              for k, v in kwargs.items() if k not in static_argnames})
+    return tuple(jax.tree.leaves(flags))
+
+
 def _mesh_passes(passes) -> tuple:
     """The passes run under a mesh: all but `inline`, so the search plans a
     jaxpr that still has its named einsums (they lower by themselves).
@@ -313,17 +331,17 @@ class _Planner:
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.cache: dict = {}
 
-    def __call__(self, t: _Traced):
+    def __call__(self, t: _Traced, donated: tuple = ()):
         from jaxbackend.sharding import _plan
 
-        key = (t.static, jax.tree.structure(t.dynamic), tuple(map(_spec, t.leaves)))
+        key = (t.static, jax.tree.structure(t.dynamic), tuple(map(_spec, t.leaves)), donated)
         plan = self.cache.get(key)
         if plan is None:
             plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),
                                     jax.tree.structure(t.dynamic), jax.tree.structure(t.out_shape),
                                     mesh=self.mesh, rules=self.rules,
                                     memory_budget=self.budget, profile=self.profile,
-                                    in_paths=_plan.paths_of(t.dynamic))
+                                    in_paths=_plan.paths_of(t.dynamic), donated=donated)
             self.cache[key] = plan
         if self.in_shardings is not _UNSPECIFIED:
             _check_agrees("in_shardings", "argument", self.in_shardings, t.dynamic[0],

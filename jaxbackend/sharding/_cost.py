@@ -100,7 +100,9 @@ class CostModel:
     its distinct ops (`sigs`: (Sig, multiplicity) pairs), gather groups and
     memory events, set up once; plans are then evaluated in batches."""
 
-    def __init__(self, graph, mesh):
+    def __init__(self, graph, mesh, donated=()):
+        """`donated`: flags per graph input, True where its buffer is donated
+        (results may reuse it; `_liveness`)."""
         self.g, self.mesh = graph, mesh
         g = graph
         self.n_keys = len(g.key_names)
@@ -137,7 +139,8 @@ class CostModel:
             c[0] += mult
             c[1] += 1
         self.gather_groups = [GatherGroup(*gk, m, n) for gk, (m, n) in groups.items()]
-        self.fixed_groups, self.mem_groups, self.mem_points = liveness(g, self.var_keys)
+        given = [v for v, d in zip(g.invars, donated) if d]
+        self.fixed_groups, self.mem_groups, self.mem_points = liveness(g, self.var_keys, given)
 
     # -- layouts ---------------------------------------------------------------
     def layout(self, keys, masks) -> list:

@@ -12,6 +12,11 @@ the result counts, per group, how many are live at each program point that
 may hold the peak (points dominated by another are dropped), so the peak
 under any plan is a max over a few rows of a matrix product. It leaves the
 graph alone.
+
+Arguments and results are held for the whole step, except that a result
+reuses the buffer of a donated argument (`jax.jit(donate_argnums=)`) of
+the same size and layout keys, as XLA's input/output aliasing does (same
+shape, dtype and sharding): such a result costs nothing more.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ FUSE_MAX_USES = 1   # an elementwise result read by one elementwise op is fused 
 
 
 class Liveness(NamedTuple):
-    fixed_groups: list      # (keys, nbytes) of each argument and result
+    fixed_groups: list      # (keys, nbytes) of each argument and of each result not aliased
     mem_groups: list        # (keys, nbytes) of each group of temporaries
     mem_points: np.ndarray  # program points x groups: temporaries live
 
 
-def liveness(g, var_keys) -> Liveness:
-    """The `Liveness` of graph `g` whose variable v has layout keys `var_keys[v]`."""
+def liveness(g, var_keys, donated=()) -> Liveness:
+    """The `Liveness` of graph `g` whose variable v has layout keys
+    `var_keys[v]`; `donated`: the graph inputs whose buffers results may reuse."""
     born = [-1] * len(g.shapes)
     for i, op in enumerate(g.ops):
         for v, _ in op.outs:
@@ -54,7 +60,16 @@ def liveness(g, var_keys) -> Liveness:
                         and all(k == "map" for k in readers) and len(readers) <= FUSE_MAX_USES):
                     fused.add(v)
     groups: dict = {}
-    fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins | {v for v in outs if v is not None}]
+    fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins]
+    free: dict = {}   # (keys, nbytes) -> donated buffers no result reuses yet
+    for v in donated:
+        free.setdefault((var_keys[v], g.nbytes(v)), []).append(v)
+    for v in dict.fromkeys(w for w in g.outvars if w is not None and w not in ins):
+        gk = (var_keys[v], g.nbytes(v))
+        if free.get(gk):
+            free[gk].pop()   # written into a donated argument's buffer
+        else:
+            fixed_groups.append(gk)
     events = []
     for v in range(len(g.shapes)):
         if v in ins or v in outs or born[v] < 0 or v in fused or not g.shapes[v]:

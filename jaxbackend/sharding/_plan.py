@@ -177,12 +177,14 @@ class Plan:
 
 
 def plan_jaxpr(closed, in_dims, out_dims, in_tree, out_tree, *, mesh, rules=None,
-               memory_budget=None, profile=None, in_paths=None) -> Plan:
+               memory_budget=None, profile=None, in_paths=None, donated=()) -> Plan:
     """The Plan of a traced program: `rules` as given, or searched when None.
     `in_dims`/`out_dims`: per flat input/output, its dim names or None;
-    `in_paths`: per flat input, its `paths_of` (names unnamed dims)."""
+    `in_paths`: per flat input, its `paths_of` (names unnamed dims);
+    `donated`: per flat input, True where its buffer is donated (results
+    may reuse it: the memory model and budget count that)."""
     return _planned(closed, _graph.build(closed, in_dims, out_dims, in_paths), in_tree, out_tree,
-                    mesh, rules, memory_budget, profile)
+                    mesh, rules, memory_budget, profile, donated)
 
 
 def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transform=None) -> Plan:
@@ -194,9 +196,10 @@ def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transfor
     return _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile)
 
 
-def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile) -> Plan:
+def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile,
+             donated=()) -> Plan:
     spec = MeshSpec.from_mesh(mesh, profile or "cpu")
-    cm = CostModel(graph, spec)
+    cm = CostModel(graph, spec, donated)
     if rules is not None:
         masks = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
         return Plan(spec, cm, masks, closed, in_tree, out_tree)
