@@ -6,14 +6,31 @@ are a learned table with dims (pos, embd), sliced to the input length and
 renamed to `time`, or rotary (`rotary=True`, no table). The output head is a
 `Linear` embd -> vocab, or the token table itself (`tie_embeddings=True`).
 
-`GPT.loss` is the mean next-token cross entropy; `generate` samples with one
-compiled step of fixed shape (the context window is right-padded; causality
-means padding never influences the position read).
+`GPT.loss` is the mean next-token cross entropy. `GPT.decode` runs the same
+network on positions pos .. pos+t-1 against a key/value cache
+(`GPT.init_cache`: per layer, k and v buffers with dims (batch, kv_time,
+kv_head or head, hd)), returning the logits and the updated cache.
+
+`generate` samples in one of two ways, both compiled once per shape:
+
+* full window (`cache=False`, any causal LM): every token runs the model
+  over the last seq_len tokens, right-padded (causality means padding never
+  influences the position read): seq_len positions per token.
+* cached (`cache=True`, the GPT's default): one call over the padded prompt
+  window fills the cache (prefill), then each token is one position: a
+  jitted step of fixed shape (1, 1) writes its k/v at `pos` and attends over
+  the buffer masked to positions <= pos. Once the buffer is full the next
+  token needs a window that has slid by one, whose positions (learned or
+  rotary) have all moved, so the cache is refilled from the last seq_len
+  tokens: past seq_len each token costs what the full window costs, and
+  both paths compute the same logits at every step.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +39,7 @@ from flax import nnx
 from jaxbackend import named as nx
 from jaxbackend import nn
 from jaxbackend.nn import _params
+from jaxbackend.nn._layers import compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +73,8 @@ class GPTConfig:
 class GPT(nnx.Module):
     """`GPT(config, rngs=nnx.Rngs(0))(tokens)` -> logits NamedArray
     (batch, time, vocab); tokens: int array (batch, time) or a NamedArray.
+    `decode(tokens, cache, pos)` is the same network on positions pos ..
+    against the key/value buffers of `init_cache()`.
 
     Mixed precision the Flax way: `param_dtype` stores the parameters
     (float32), `dtype` is the compute dtype of every layer (None: promote);
@@ -88,15 +108,60 @@ class GPT(nnx.Module):
         if t is None or t > self.config.seq_len:
             raise nx.DimError(f"GPT: tokens have dims {tokens.sizes}; they need a 'time' dim of "
                               f"size <= seq_len={self.config.seq_len}.")
-        x = self.tok(tokens)
-        if self.pos is not None:
-            # In the embedding's (compute) dtype: a float32 table must not
-            # promote a bfloat16 stream.
-            pos = _params.named(self.pos).isel(pos=slice(0, t)).rename(pos="time")
-            x = x + pos.astype(x.dtype)
-        x = self.drop(x)
+        x = self.drop(self._embed(tokens, 0))
         for block in self.blocks:
             x = block(x)
+        return self._logits(x, tokens)
+
+    def init_cache(self, batch: int = 1, length: int | None = None) -> tuple:
+        """Empty key/value buffers for `decode`, one (k, v) pair per layer,
+        dims (batch, kv_time, kv_head or head, hd), `length` (default seq_len)
+        positions, in the layers' compute dtype."""
+        n = self.config.seq_len if length is None else length
+        if not 1 <= n <= self.config.seq_len:
+            raise ValueError(f"GPT.init_cache: length={n} must be in 1 .. seq_len="
+                             f"{self.config.seq_len}; the model has no positions beyond.")
+        dt = compute_dtype(self.tok.dtype, self.tok.embedding[...])
+        return tuple(block.init_cache({"batch": batch}, n, dt) for block in self.blocks)
+
+    def decode(self, tokens, cache: tuple, pos) -> tuple:
+        """The model on positions pos .. pos+t-1 (tokens: (batch, time), t
+        positions) given the cache of the positions before: returns (logits
+        (batch, time, vocab), the cache with these positions written). `pos`
+        may be traced; the caller keeps pos + t <= the cache length."""
+        if not isinstance(tokens, nx.NamedArray):
+            tokens = nx.as_named(tokens, ("batch", "time"))
+        t = tokens.sizes.get("time")
+        if t is None or t > self.config.seq_len:
+            raise nx.DimError(f"GPT.decode: tokens have dims {tokens.sizes}; they need a 'time' "
+                              f"dim of size <= seq_len={self.config.seq_len}.")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"GPT.decode: cache has {len(cache)} entries but the model has "
+                             f"{len(self.blocks)} layers; build it with model.init_cache().")
+        x = self.drop(self._embed(tokens, pos))
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c, pos)
+            new.append(c)
+        return self._logits(x, tokens), tuple(new)
+
+    def _embed(self, tokens: nx.NamedArray, pos) -> nx.NamedArray:
+        # Token vectors plus the positions pos .. pos+t-1 of the table.
+        x = self.tok(tokens)
+        if self.pos is None:
+            return x
+        t = tokens.sizes["time"]
+        table = _params.named(self.pos)
+        if isinstance(pos, int) and pos == 0:
+            rows = table.isel(pos=slice(0, t))
+        else:  # a traced start: one compiled step serves every position
+            rows = nx.NamedArray(jax.lax.dynamic_slice_in_dim(
+                table.values, pos, t, axis=table.axis("pos")), table.dims)
+        # In the embedding's (compute) dtype: a float32 table must not
+        # promote a bfloat16 stream.
+        return x + rows.rename(pos="time").astype(x.dtype)
+
+    def _logits(self, x: nx.NamedArray, tokens: nx.NamedArray) -> nx.NamedArray:
         x = self.norm(x)
         logits = self.tok.attend(x) if self.head is None else self.head(x)
         return logits.transpose(*tokens.dims, "vocab")
@@ -142,38 +207,128 @@ def _next_logits(model, window, pos):
 
 
 def generate(model: nnx.Module, prompt, steps: int, *, key, temperature: float = 1.0,
-             seq_len: int | None = None) -> list:
+             seq_len: int | None = None, cache: bool | None = None) -> list:
     """Sample `steps` tokens after `prompt` (a list of ints); returns the new ids.
 
     `model` is the GPT or any causal language model whose call maps int
     tokens (batch, time) to logits with a `vocab` dim (a NamedArray) or
     last axis (an array); `seq_len` (default: `model.config.seq_len`) is the
-    window. One compiled function of fixed shape (1, seq_len): the window
-    holds the last seq_len tokens, right-padded with zeros; we read the
-    logits at the last real position, which padding cannot affect (causal
-    attention).
+    window: each token is sampled from the logits of the last seq_len ids.
+
+    `cache` picks the path (module docstring): True, the key/value cache (a
+    GPT only); False, the full window, re-run per token; None (default), the
+    cache for a GPT and the full window otherwise. For a fixed `key` both
+    give the same tokens: they sample from the same logits, up to float
+    rounding, with the same key splits. Sampling runs in eval mode;
+    afterwards every module's mode flag is what the caller had.
     """
     n = seq_len if seq_len is not None else getattr(getattr(model, "config", None), "seq_len", None)
     if n is None:
         raise TypeError(f"generate: {type(model).__name__} has no config.seq_len; pass "
                         f"seq_len=<the model's context length>.")
-    # Sampling runs in eval mode; afterwards every module's mode flag is
-    # what the caller had (a model in eval mode stays in eval mode).
+    use_cache = isinstance(model, GPT) if cache is None else cache
+    if use_cache and not isinstance(model, GPT):
+        raise TypeError(f"generate: cache=True needs a GPT (init_cache/decode), got "
+                        f"{type(model).__name__}; pass cache=False for the full-window path.")
+    # Sampling runs in eval mode; afterwards every module's mode flag is what
+    # the caller had (a model in eval mode stays in eval mode).
     modes = [(m, a, getattr(m, a)) for _, m in nnx.iter_graph(model)
              if isinstance(m, nnx.Module) for a in _MODE_FLAGS if hasattr(m, a)]
     model.eval()
-    ids = list(prompt) or [0]
-    out = []
     try:
-        for _ in range(steps):
-            ctx = ids[-n:]
-            window = jnp.asarray(ctx + [0] * (n - len(ctx)), jnp.int32)
-            logits = _next_logits(model, window, len(ctx) - 1)
-            key, sub = jax.random.split(key)
-            nxt = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
-            ids.append(nxt)
-            out.append(nxt)
+        run = _generate_cached if use_cache else _generate_window
+        return run(model, list(prompt) or [0], steps, key, temperature, n)
     finally:
         for m, a, v in modes:
             setattr(m, a, v)
+
+
+def _generate_window(model, ids: list, steps: int, key, temperature: float, n: int) -> list:
+    out = []
+    for _ in range(steps):
+        ctx = ids[-n:]
+        logits = _next_logits(model, _window(ctx, n), len(ctx) - 1)
+        key, sub = jax.random.split(key)
+        nxt = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
+        ids.append(nxt)
+        out.append(nxt)
     return out
+
+
+def _window(ctx: list, n: int) -> jax.Array:
+    return jnp.asarray(ctx + [0] * (n - len(ctx)), jnp.int32)
+
+
+def _generate_cached(model, ids: list, steps: int, key, temperature: float, n: int) -> list:
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    static = _Static(graphdef, treedef)
+    temperature = float(temperature)  # a weakly typed float32 scalar: one trace for any value
+    first = len(ids)
+    pos = n          # where the last sampled token goes; n: the cache is full (or absent)
+    tok = buf = None
+    for _ in range(steps):
+        if pos < n:
+            tok, buf, key = _step(static, leaves, tok, buf, pos, key, temperature)
+            pos += 1
+        else:        # the first token, or a full window: (re)fill from the last n ids
+            ids[-n:] = [int(t) for t in ids[-n:]]
+            ctx = ids[-n:]
+            tok, buf, key = _prefill(static, leaves, _window(ctx, n), len(ctx) - 1, key,
+                                     temperature)
+            pos = len(ctx)
+        ids.append(tok)  # a device scalar: no host sync per token
+    return [int(t) for t in ids[first:]]
+
+
+class _Static:
+    """A model's graphdef and state treedef as one `jax.jit` static argument.
+    A GraphDef compares equal across `nnx.split`s of models of one structure
+    but is not hashable (layers keep dicts of sizes); the treedef is, and
+    equal graphdefs have equal treedefs. Passing the state as flat leaves
+    keeps a warm call at jax.jit's cost (nnx.jit walks the module graph on
+    every call)."""
+
+    __slots__ = ("graphdef", "treedef")
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Static) and self.treedef == other.treedef
+                and self.graphdef == other.graphdef)
+
+    def __hash__(self) -> int:
+        return hash(self.treedef)
+
+    def model(self, leaves) -> GPT:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+# Traces of the cached path's two compiled functions, by name (the tests
+# check that the per-token step compiles once).
+TRACES: collections.Counter = collections.Counter()
+
+
+def _sample(logits, key, temperature):
+    # The full-window path's sampling, in the compiled step.
+    key, sub = jax.random.split(key)
+    return jax.random.categorical(sub, logits / jnp.maximum(temperature, 1e-6)), key
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(static: _Static, leaves, window, last, key, temperature):
+    TRACES["prefill"] += 1
+    model = static.model(leaves)
+    logits, cache = model.decode(window[None, :], model.init_cache(1, window.shape[0]), 0)
+    logits = jax.lax.dynamic_index_in_dim(logits.values[0], last, 0, keepdims=False)
+    tok, key = _sample(logits, key, temperature)
+    return tok, cache, key
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _step(static: _Static, leaves, tok, cache, pos, key, temperature):
+    TRACES["step"] += 1
+    logits, cache = static.model(leaves).decode(tok.reshape(1, 1), cache, pos)
+    tok, key = _sample(logits.values[0, 0], key, temperature)
+    return tok, cache, key

@@ -17,6 +17,17 @@ layers; scores and softmax run in at least float32.
 Rotary positions (RoPE, the "rotate half" form) rotate the first and second
 halves of `hd` of q and k by position-dependent angles; `rope(...)` is
 exported so positional references can apply the same formula.
+
+Decoding with a key/value cache (`init_cache`, `decode`): the cache is a
+pair of fixed-size buffers (k, v) with dims (..., kv_<time>, kv_head or
+head, hd), passed in and returned (the module holds no decoding state). A
+call on positions pos .. pos+t-1 writes their k and v into the buffers at
+`pos` (`lax.dynamic_update_slice`, so `pos` may be traced and one compiled
+step serves every position) and attends over the whole buffer with the mask
+`pos + time >= kv_<time>`: entries past the current position, never written
+or left over, are masked out. The score, softmax and value contractions are
+those of `__call__` with `kv_<time>` as the key dim, so a prefill of the whole
+window computes what `__call__` computes.
 """
 
 from __future__ import annotations
@@ -25,24 +36,31 @@ import math
 
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxbackend import named as nx
 from jaxbackend.nn._layers import Dropout, Linear, cast, check_input
 
 
-def rope_tables(t: int, hd: int, base: float = 10000.0, dtype=jnp.float32):
-    """cos and sin tables of shape (t, hd // 2)."""
+def rope_tables(t: int, hd: int, base: float = 10000.0, dtype=jnp.float32, start=0):
+    """cos and sin tables of shape (t, hd // 2) for positions start .. start+t-1
+    (`start` may be traced)."""
     inv = 1.0 / (base ** (jnp.arange(0, hd // 2, dtype=jnp.float32) * 2.0 / hd))
-    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    pos = jnp.arange(t, dtype=jnp.float32)
+    if not isinstance(start, int) or start:  # no add where the positions start at 0
+        pos = pos + jnp.asarray(start, jnp.float32)  # exact for positions < 2**24
+    ang = pos[:, None] * inv[None, :]
     return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
 
 
-def rope(x: nx.NamedArray, *, time: str = "time", hd: str = "hd", base: float = 10000.0):
-    """Rotate halves of `hd` by angles set by the position along `time`."""
+def rope(x: nx.NamedArray, *, time: str = "time", hd: str = "hd", base: float = 10000.0,
+         start=0):
+    """Rotate halves of `hd` by angles set by the position along `time`; the
+    first entry of `time` is position `start` (an int, or a traced scalar)."""
     n, t = x.sizes[hd], x.sizes[time]
     if n % 2:
         raise nx.DimError(f"rope: dim {hd!r} has size {n}; rotary positions need an even head dim.")
-    cos, sin = rope_tables(t, n, base, x.dtype)
+    cos, sin = rope_tables(t, n, base, x.dtype, start)
     cos, sin = nx.as_named(cos, (time, hd)), nx.as_named(sin, (time, hd))
     x1, x2 = x.isel({hd: slice(0, n // 2)}), x.isel({hd: slice(n // 2, n)})
     out = nx.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=hd)
@@ -51,7 +69,8 @@ def rope(x: nx.NamedArray, *, time: str = "time", hd: str = "hd", base: float = 
 
 class MultiHeadAttention(nnx.Module):
     """Self-attention over the sequence dim `time` (an argument, default
-    "time"): (..., time, embd) -> (..., time, embd); keys use `<time>_k`."""
+    "time"): (..., time, embd) -> (..., time, embd); keys use `<time>_k`.
+    `decode` is the same attention over a key/value cache (dim `kv_<time>`)."""
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  head_dim: int | None = None, causal: bool = True, rotary: bool = False,
@@ -92,18 +111,69 @@ class MultiHeadAttention(nnx.Module):
         if self.rotary:
             q, k = rope(q, time=tq), rope(k, time=tq)
         k, v = k.rename({tq: tk}), v.rename({tq: tk})
+        return self._attend(q, k, v, tk, 0 if self.causal else None)
+
+    def init_cache(self, sizes: dict, length: int, dtype) -> tuple:
+        """Empty (zero) k and v buffers for `decode`: dims (*sizes, kv_<time>,
+        kv_head or head, hd), `sizes` the input's dims other than time and
+        embd (e.g. {"batch": 1}), `length` the longest context, `dtype` that
+        of the layer's k and v (its compute dtype)."""
+        shape = {**sizes, f"kv_{self.time}": length, self.kv_dim: self.kv_heads,
+                 "hd": self.head_dim}
+        return nx.zeros(shape, dtype), nx.zeros(shape, dtype)
+
+    def decode(self, x: nx.NamedArray, cache: tuple, pos) -> tuple:
+        """Causal attention of x's positions pos .. pos+t-1 (t = size of
+        `time`) over themselves and the cached earlier positions: returns
+        (out, cache with x's k and v written at `pos`). `pos` may be traced;
+        the caller keeps pos + t <= the buffer length (XLA clamps a write that
+        would run past the end)."""
+        check_input("MultiHeadAttention.decode", x, {"embd": self.embd})
+        tq, tc = self.time, f"kv_{self.time}"
+        if not self.causal:
+            raise ValueError("MultiHeadAttention.decode: the layer has causal=False; a cache "
+                             "only holds the past, so decode needs a causal layer.")
+        if tq not in x.dims or tc in x.dims:
+            raise nx.DimError(f"MultiHeadAttention.decode: the input has dims {x.dims}; it needs "
+                              f"the sequence dim {tq!r} and no {tc!r} dim (the cache uses that "
+                              f"name); pass time=<the input's sequence dim>.")
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.rotary:
+            q, k = rope(q, time=tq, start=pos), rope(k, time=tq, start=pos)
+        k_cache, v_cache = (_write(buf, new.rename({tq: tc}), tc, pos)
+                            for buf, new in zip(cache, (k, v)))
+        return self._attend(q, k_cache, v_cache, tc, pos), (k_cache, v_cache)
+
+    def _attend(self, q, k, v, tk: str, start) -> nx.NamedArray:
+        # q: (..., time, head, hd) at positions start .. start+t-1; k, v:
+        # (..., tk, kv_dim, hd) at positions 0 ..; start None: no causal mask.
         if self.kv_dim != "head":  # GQA: head -> (kv_head, group), by name
             q = q.unstack(head={"kv_head": self.kv_heads, "group": self.heads // self.kv_heads})
         # scores and softmax in at least float32 (a bfloat16 softmax over a
         # long row rounds its largest terms); the weights go back to v's dtype
         s = cast(nx.dot(q, k, dim="hd"), jnp.promote_types(q.dtype, jnp.float32))
         s = s / math.sqrt(self.head_dim)
-        if self.causal:
-            t = x.sizes[tq]
-            mask = nx.arange(t, dim=tq) >= nx.arange(t, dim=tk)
-            s = nx.where(mask, s, jnp.finfo(s.dtype).min)
+        if start is not None:  # query position >= key position, by name
+            q_pos = nx.arange(q.sizes[self.time], dim=self.time)
+            if not isinstance(start, int) or start:
+                q_pos = q_pos + start
+            s = nx.where(q_pos >= nx.arange(k.sizes[tk], dim=tk), s, jnp.finfo(s.dtype).min)
         a = self.dropout(cast(nx.softmax(s, dim=tk), v.dtype))
         o = nx.dot(a, v, dim=tk)
         if self.kv_dim != "head":
             o = o.stack(head=("kv_head", "group"))
         return self.out(o)
+
+
+def _write(buf: nx.NamedArray, new: nx.NamedArray, dim: str, pos) -> nx.NamedArray:
+    """`new` written into `buf` from entry `pos` of `dim` (same dims and dtype,
+    at most as long along `dim`)."""
+    t = new.sizes.get(dim, 0)
+    if (new.sizes != {**buf.sizes, dim: t} or not 1 <= t <= buf.sizes[dim]
+            or new.dtype != buf.dtype):
+        raise nx.DimError(f"MultiHeadAttention.decode: the cache has sizes {buf.sizes} and dtype "
+                          f"{buf.dtype} but the new keys/values have {new.sizes} and {new.dtype}; "
+                          f"build the cache with init_cache for this input.")
+    new = new.transpose(*buf.dims)
+    start = [jnp.asarray(pos, jnp.int32) if d == dim else jnp.int32(0) for d in buf.dims]
+    return nx.NamedArray(lax.dynamic_update_slice(buf.values, new.values, start), buf.dims)

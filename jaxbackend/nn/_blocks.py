@@ -45,7 +45,8 @@ class MLP(nnx.Module):
 
 class TransformerBlock(nnx.Module):
     """Pre-norm block: x + attn(norm1(x)); then x + mlp(norm2(x)). `time`
-    names the sequence dim attention runs over."""
+    names the sequence dim attention runs over; `decode` is the same block
+    over the attention's key/value cache (`MultiHeadAttention.decode`)."""
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  mlp_hidden: int | None = None, activation: str = "gelu", norm: str = "layernorm",
@@ -66,3 +67,13 @@ class TransformerBlock(nnx.Module):
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def init_cache(self, sizes: dict, length: int, dtype) -> tuple:
+        """The attention's empty k/v buffers (`MultiHeadAttention.init_cache`)."""
+        return self.attn.init_cache(sizes, length, dtype)
+
+    def decode(self, x: nx.NamedArray, cache: tuple, pos) -> tuple:
+        """The block on positions pos .. pos+t-1 of x: (out, updated cache)."""
+        h, cache = self.attn.decode(self.norm1(x), cache, pos)
+        x = x + h
+        return x + self.mlp(self.norm2(x)), cache
