@@ -408,21 +408,3 @@ def _scans_holding(jaxpr, eqns) -> set:
 
     visit(jaxpr)
     return found
-
-
-def _compile_plan(plan):
-    """`jax.jit` of the plan's own program with its layouts, taking the
-    argument structure it was planned for (`Plan.jit`, until its callers
-    use `jit(fn, mesh=..., rules=plan)`)."""
-    from jaxbackend.sharding._mesh import check_auto_axes
-
-    check_auto_axes(plan.mesh.mesh)
-
-    def run(*args):
-        leaves, tree = jax.tree.flatten(args)
-        if tree != plan.in_tree:
-            raise ValueError(f"sharded function: arguments have structure {tree}, but the plan "
-                             f"was made for {plan.in_tree}; plan again for these arguments.")
-        return jax.tree.unflatten(plan.out_tree, _run_planned(plan, leaves))
-
-    return jax.jit(run)

@@ -41,8 +41,3 @@ from jaxbackend.sharding._mesh import (
 from jaxbackend.sharding._plan import Plan as Plan
 from jaxbackend.sharding._plan import plan as plan
 from jaxbackend.sharding._search import NoPlanFits as NoPlanFits
-
-# Kept until their callers move to `plan` / `jb.jit(fn, mesh=)`, then removed.
-from jaxbackend.sharding._plan import plan_for as plan_for
-from jaxbackend.sharding._plan import search as search
-from jaxbackend.sharding._plan import sharded_jit as sharded_jit

@@ -92,7 +92,7 @@ def subgrid_descent(cm, keys, options, budget, deadline, why):
     plan, t, m = descend(np.zeros(len(keys), np.int64), shape, evaluate, budget, deadline)
     if m > budget:
         raise NoPlanFits(
-            f"sharding.search: found no plan within the memory budget {budget / GiB:.3f} GiB per "
+            f"sharding.plan: found no plan within the memory budget {budget / GiB:.3f} GiB per "
             f"device (the least found needs {m / GiB:.3f} GiB; not proven: {why}); raise "
             f"memory_budget, use more devices, or shrink the batch.")
     stats = dict(method="descent", optimal=False, why=why, time=t, memory=m)
@@ -192,7 +192,7 @@ class BranchAndBound:
         if plan is None:
             least = float(sum(t.min() for t in self.mem_bounds[0]))
             raise NoPlanFits(
-                f"sharding.search: found no plan within the memory budget {self.budget / GiB:.3f} GiB "
+                f"sharding.plan: found no plan within the memory budget {self.budget / GiB:.3f} GiB "
                 f"per device (not proven: {why}; every plan needs at least {least / GiB:.3f} GiB); "
                 f"raise memory_budget, use more devices, or shrink the batch.")
         return plan, dict(method="heuristic", optimal=False, why=why, time=t, memory=m, nodes=self.nodes)

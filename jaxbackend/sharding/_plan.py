@@ -148,13 +148,6 @@ class Plan:
                      for d in dims_of(args)]
         return jax.tree.unflatten(tree, [self.sharding(s) for s in specs])
 
-    def jit(self):
-        """The plan's program compiled with its layouts (a shim until its
-        callers use `jb.jit(fn, mesh=..., rules=plan)`)."""
-        from jaxbackend.jit import _compile_plan
-
-        return _compile_plan(self)
-
     # -- for people -------------------------------------------------------------
     def table(self) -> str:
         c = self.cost
@@ -205,23 +198,3 @@ def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profi
         return Plan(spec, cm, masks, closed, in_tree, out_tree)
     masks, stats = _search.search(cm, memory_budget)
     return Plan(spec, cm, masks, closed, in_tree, out_tree, stats)
-
-
-# -- names kept until their callers (tests/sharding, benchmarks, notebooks,
-# train/_loop.py) move to `plan` and `jb.jit(fn, mesh=)`; then they go. ----
-
-def plan_for(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transform=None) -> Plan:
-    return plan(fn, *args, mesh=mesh, rules=rules, memory_budget=memory_budget, profile=profile,
-                transform=transform)
-
-
-def search(fn, *args, mesh, memory_budget=None, profile=None, transform=None) -> Plan:
-    return plan(fn, *args, mesh=mesh, memory_budget=memory_budget, profile=profile,
-                transform=transform)
-
-
-def sharded_jit(fn, *, mesh, rules=None, memory_budget=None, profile=None, transform=None):
-    from jaxbackend.jit import jit
-
-    return jit(fn, mesh=mesh, rules=rules, memory_budget=memory_budget, profile=profile,
-               passes=() if transform is None else (transform,))

@@ -181,7 +181,7 @@ def best_of(tab, idx, budget):
 def no_plan_fits(least, budget, at_least=False):
     """Raise NoPlanFits: the least memory seen (or a lower bound on it)."""
     raise NoPlanFits(
-        f"sharding.search: no plan fits the memory budget: the smallest plan needs "
+        f"sharding.plan: no plan fits the memory budget: the smallest plan needs "
         f"{'at least ' if at_least else ''}{least / GiB:.3f} GiB per device, budget "
         f"{budget / GiB:.3f} GiB, short by {(least - budget) / GiB:.3f} GiB; raise memory_budget, "
         f"use more devices, or shrink the batch.")
