@@ -9,6 +9,7 @@ import importlib as _importlib
 
 from jaxbackend import named as named
 from jaxbackend import passes as passes
+from jaxbackend._layer import layer as layer
 from jaxbackend.jit import jit as jit
 from jaxbackend.named import DimError as DimError
 from jaxbackend.named import NamedArray as NamedArray

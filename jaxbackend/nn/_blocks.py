@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxbackend import named as nx
+from jaxbackend._layer import layer
 from jaxbackend.nn._attention import MultiHeadAttention
 from jaxbackend.nn._layers import Dropout, LayerNorm, Linear, RMSNorm
 
@@ -65,6 +66,13 @@ class TransformerBlock(nnx.Module):
                        dropout=dropout, **dt, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
+        """The block, traced once per distinct block structure and input
+        (`jb.layer`): a for-loop over L blocks traces, differentiates and
+        transposes one block's equations, not L copies."""
+        return _block_call(self, x)
+
+    def forward(self, x: nx.NamedArray) -> nx.NamedArray:
+        """The block's equations, traced at every call (`__call__` caches them)."""
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
@@ -77,3 +85,8 @@ class TransformerBlock(nnx.Module):
         h, cache = self.attn.decode(self.norm1(x), cache, pos)
         x = x + h
         return x + self.mlp(self.norm2(x)), cache
+
+
+@layer
+def _block_call(block: TransformerBlock, x: nx.NamedArray) -> nx.NamedArray:
+    return block.forward(x)

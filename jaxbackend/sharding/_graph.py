@@ -154,7 +154,8 @@ class Builder:
 
     def var_of(self, aval) -> int:
         """A new variable of the aval's shape and dtype."""
-        return self.add_var(aval.shape, np.dtype(aval.dtype).itemsize if hasattr(aval, "dtype") else 4)
+        # `dtype.itemsize`, not np.dtype(...): a PRNG key's extended dtype has one too
+        return self.add_var(aval.shape, aval.dtype.itemsize if hasattr(aval, "dtype") else 4)
 
     def pos(self, v: int, axis: int) -> int:
         return self.base[v] + axis
@@ -306,7 +307,7 @@ def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
     env: dict = {}
     for var, c in zip(jaxpr.constvars, consts):
         dtype = c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
-        env[var] = b.add_var(np.shape(c), np.dtype(dtype).itemsize)
+        env[var] = b.add_var(np.shape(c), dtype.itemsize)
     invars = [b.var_of(v.aval) for v in jaxpr.invars]
     env.update(zip(jaxpr.invars, invars))
     _walk(b, jaxpr, env, 1.0)

@@ -1,0 +1,160 @@
+"""Trace each distinct layer once: the GPT training step against depth.
+
+`jax.value_and_grad` of the library GPT's loss plus an AdamW update, embd 64,
+4 heads, seq 64, batch 8, compiled with `jb.jit`, three ways per depth:
+
+* `cached`: as shipped: `nn.TransformerBlock.__call__` goes through
+  `jb.layer`, so the for-loop over blocks traces one block and binds the
+  same `jit` equation per layer (reroll rolls the run into `scan`);
+* `uncached`: the block's equations traced at every layer (its `forward`),
+  what the for-loop cost before;
+* `hand scan`: `jax.jit` of the same model written the way users get flat
+  compile time today: block states stacked, one `jax.lax.scan` over them.
+
+Seconds: tracing (make_jaxpr of the step) and the whole compile (trace,
+passes, lower, XLA compile). Every point runs in a fresh process (no JAX
+cache shared), variants interleaved; medians of `--repeat` processes.
+Targets (issue 13): cached total at 64 layers <= 1.3x its 4-layer figure and
+<= 1.25x the hand scan at every depth; tracing at 64 layers <= 2x 4 layers.
+
+Run: `python benchmarks/trace_once.py` (`--quick`: small depths, writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+VARIANTS = ("cached", "uncached", "hand scan")
+
+
+def run_point(variant: str, layers: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxbackend as jb
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig, lm_loss
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    if variant == "uncached":
+        nn.TransformerBlock.__call__ = nn.TransformerBlock.forward
+    model = GPT(GPTConfig(n_layers=layers, embd=64, heads=4, seq_len=64), rngs=nnx.Rngs(0))
+    tx = optax.adamw(1e-3)
+    x = jax.random.randint(jax.random.key(1), (8, 64), 0, 128)
+    if variant == "hand scan":
+        params, loss_fn = _hand_scan(model, lm_loss)
+        compile_with = jax.jit
+    else:
+        params, loss_fn = nn.functional(model, "loss")
+        compile_with = jb.jit
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    t0 = time.perf_counter()
+    jax.make_jaxpr(step)(params, opt_state, x, x)
+    t1 = time.perf_counter()
+    compile_with(step).lower(params, opt_state, x, x).compile()
+    return {"trace": t1 - t0, "total": time.perf_counter() - t1}
+
+
+def _hand_scan(model, lm_loss):
+    """(params, loss): the GPT with its blocks' parameters stacked and run by
+    one `lax.scan` (the structure `nnx.scan` / MaxText `scan_layers` give).
+    The embedding, final norm and head come from a one-block shell of the
+    same model (its block unused)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxbackend import named as nx
+    from jaxbackend import nn
+    from jaxbackend.models import GPT
+
+    graphdef, pstate, other = nnx.split(model.blocks[0], nnx.Param, ...)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                           *[nnx.to_pure_dict(nnx.state(b, nnx.Param)) for b in model.blocks])
+    shell = GPT(dataclasses.replace(model.config, n_layers=1), rngs=nnx.Rngs(0))
+
+    def scanned(m, tokens, targets, blocks):
+        tokens = nx.as_named(tokens, ("batch", "time"))
+
+        def body(h, layer):
+            state = jax.tree.map(lambda v: v, pstate)
+            nnx.replace_by_pure_dict(state, layer)
+            return nnx.merge(graphdef, state, other).forward(h), None
+
+        x, _ = jax.lax.scan(body, m.drop(m._embed(tokens, 0)), blocks)
+        return lm_loss(m._logits(x, tokens), targets)
+
+    shell_params, shell_loss = nn.functional(shell, scanned)
+    return ({"shell": shell_params, "blocks": stacked},
+            lambda p, x, y: shell_loss(p["shell"], x, y, p["blocks"]))
+
+
+def spawn(variant: str, layers: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, str(layers)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1200)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not line:
+        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="depths 2 and 4, one repeat, no file")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(run_point(a.child[0], int(a.child[1]))))
+        return
+    depths, repeat = ((2, 4), 1) if a.quick else ((4, 16, 64), a.repeat)
+    runs: dict = {}
+    for _ in range(repeat):
+        for n in depths:
+            for v in VARIANTS:
+                runs.setdefault((v, n), []).append(spawn(v, n))
+    med = {k: {m: statistics.median(r[m] for r in rs) for m in ("trace", "total")}
+           for k, rs in runs.items()}
+    rows = [[n, *(f"{med[v, n][m]:.2f}" for v in VARIANTS for m in ("trace", "total")),
+             f"{med['cached', n]['total'] / med['hand scan', n]['total']:.2f}"] for n in depths]
+    lo, hi = depths[0], depths[-1]
+    c = {m: med["cached", hi][m] / med["cached", lo][m] for m in ("trace", "total")}
+    worst = max(med["cached", n]["total"] / med["hand scan", n]["total"] for n in depths)
+    verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    from _report import table, write_section
+
+    body = (f"GPT training step (value_and_grad + AdamW), embd 64, 4 heads, seq 64, batch 8; "
+            f"seconds, median of {repeat} fresh processes per point:\n\n"
+            + table(["layers"] + [f"{v} {m}" for v in VARIANTS for m in ("trace", "total")]
+                    + ["cached / hand scan"], rows)
+            + f"\n\nTargets:\n- cached total {hi} / {lo} layers = {c['total']:.2f} (target <= 1.3): "
+            f"{verdict(c['total'] <= 1.3)}\n- cached tracing {hi} / {lo} layers = {c['trace']:.2f} "
+            f"(target <= 2): {verdict(c['trace'] <= 2)}\n- cached / hand scan, worst depth = "
+            f"{worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n")
+    print(body)
+    if not a.quick:
+        write_section("trace-once", "Trace each distinct layer once (GPT training step)", body)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    main()

@@ -1,0 +1,87 @@
+"""`jb.layer`: a layer traced once and called L times gives the same values
+as the Python loop it replaces, binds one jaxpr object L times (so JAX's
+JVP / partial-eval / transpose caches hit), and keeps NNX state updates."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxbackend as jb
+from jaxbackend import _jax
+from jaxbackend import named as nx
+from jaxbackend import nn
+from jaxbackend.testing import abs_scale, assert_close
+
+
+def _block(h, w):
+    return h + jnp.tanh(h @ w["a"]) @ w["b"]
+
+
+def _weights(n):
+    ks = jax.random.split(jax.random.key(0), 2 * n)
+    return [{"a": jax.random.normal(ks[2 * i], (8, 16)) / 4,
+             "b": jax.random.normal(ks[2 * i + 1], (16, 8)) / 4} for i in range(n)]
+
+
+def _loss(block):
+    def loss(ws, x):
+        for w in ws:
+            x = block(x, w)
+        return jnp.sum(x ** 2)
+    return loss
+
+
+def _calls(closed):
+    """The program's own `jit` equations (not those nested in their bodies)."""
+    return [e for e in closed.jaxpr.eqns if e.primitive.name == "jit"]
+
+
+def test_a_loop_of_layers_traces_the_body_once_and_matches_the_plain_loop():
+    traced = []
+
+    @jb.layer
+    def block(h, w):
+        traced.append(1)
+        return _block(h, w)
+
+    ws, x = _weights(12), jax.random.normal(jax.random.key(1), (4, 8))
+    closed = jax.make_jaxpr(jax.value_and_grad(_loss(block)))(ws, x)
+    assert len(traced) == 1
+    calls = _calls(closed)
+    # forward and backward per layer; the first layer's differ (x is not
+    # differentiated), every other layer binds the same two jaxpr objects
+    assert len(calls) == 24
+    assert len({id(_jax.call_body(e)) for e in calls}) <= 4
+    got = jax.value_and_grad(_loss(block))(ws, x)
+    want = jax.value_and_grad(_loss(_block))(ws, x)
+    assert_close(got, want, scale=abs_scale(jax.value_and_grad(_loss(_block)), ws, x))
+
+
+def test_transformer_blocks_in_a_loop_share_one_call_and_match_their_equations():
+    blocks = [nn.TransformerBlock(16, 4, kv_heads=2, rngs=nnx.Rngs(i)) for i in range(6)]
+    x = nx.as_named(jax.random.normal(jax.random.key(2), (2, 8, 16)), ("batch", "time", "embd"))
+
+    def run(call):
+        h = x
+        for b in blocks:
+            h = call(b, h)
+        return h.values
+
+    closed = jax.make_jaxpr(lambda: run(lambda b, h: b(h)))()
+    calls = _calls(closed)
+    assert len(calls) == 6 and len({id(_jax.call_body(e)) for e in calls}) == 1
+    assert_close(run(lambda b, h: b(h)), run(lambda b, h: b.forward(h)),
+                 scale=jnp.abs(run(lambda b, h: b.forward(h))) + 1)
+
+
+def test_dropout_state_advances_as_without_the_cache():
+    def make():
+        return nn.TransformerBlock(16, 4, dropout=0.5, rngs=nnx.Rngs(0, dropout=1))
+
+    cached, plain = make(), make()
+    x = nx.as_named(jax.random.normal(jax.random.key(3), (2, 8, 16)), ("batch", "time", "embd"))
+    a1, a2 = cached(x).values, cached(x).values
+    b1, b2 = plain.forward(x).values, plain.forward(x).values
+    assert not jnp.allclose(a1, a2)            # the RNG counter moved between calls
+    assert_close(a1, b1, scale=jnp.abs(b1) + 1)
+    assert_close(a2, b2, scale=jnp.abs(b2) + 1)
