@@ -123,6 +123,12 @@ class _Static:
     def __hash__(self) -> int:
         return hash(self.treedef)
 
+    def merge(self, leaves):
+        """The object back from the state's leaves (`nnx.merge`)."""
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
 
 def _holds_nnx(tree) -> bool:
     """Does the argument tree hold a Flax NNX object (module, variable)?"""

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxbackend import named as nx
 from jaxbackend import nn
 from jaxbackend.nn import _params
+from jaxbackend._layer import _Static
 from jaxbackend.nn._layers import compute_dtype
 
 
@@ -281,30 +282,6 @@ def _generate_cached(model, ids: list, steps: int, key, temperature: float, n: i
     return [int(t) for t in ids[first:]]
 
 
-class _Static:
-    """A model's graphdef and state treedef as one `jax.jit` static argument.
-    A GraphDef compares equal across `nnx.split`s of models of one structure
-    but is not hashable (layers keep dicts of sizes); the treedef is, and
-    equal graphdefs have equal treedefs. Passing the state as flat leaves
-    keeps a warm call at jax.jit's cost (nnx.jit walks the module graph on
-    every call)."""
-
-    __slots__ = ("graphdef", "treedef")
-
-    def __init__(self, graphdef, treedef):
-        self.graphdef, self.treedef = graphdef, treedef
-
-    def __eq__(self, other) -> bool:
-        return (isinstance(other, _Static) and self.treedef == other.treedef
-                and self.graphdef == other.graphdef)
-
-    def __hash__(self) -> int:
-        return hash(self.treedef)
-
-    def model(self, leaves) -> GPT:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
-
-
 # Traces of the cached path's two compiled functions, by name (the tests
 # check that the per-token step compiles once).
 TRACES: collections.Counter = collections.Counter()
@@ -319,7 +296,7 @@ def _sample(logits, key, temperature):
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill(static: _Static, leaves, window, last, key, temperature):
     TRACES["prefill"] += 1
-    model = static.model(leaves)
+    model = static.merge(leaves)
     logits, cache = model.decode(window[None, :], model.init_cache(1, window.shape[0]), 0)
     logits = jax.lax.dynamic_index_in_dim(logits.values[0], last, 0, keepdims=False)
     tok, key = _sample(logits, key, temperature)
@@ -329,6 +306,6 @@ def _prefill(static: _Static, leaves, window, last, key, temperature):
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _step(static: _Static, leaves, tok, cache, pos, key, temperature):
     TRACES["step"] += 1
-    logits, cache = static.model(leaves).decode(tok.reshape(1, 1), cache, pos)
+    logits, cache = static.merge(leaves).decode(tok.reshape(1, 1), cache, pos)
     tok, key = _sample(logits.values[0, 0], key, temperature)
     return tok, cache, key
