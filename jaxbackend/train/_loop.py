@@ -285,6 +285,9 @@ def _build_model(cfg: TrainConfig, model, vocab: int) -> tuple:
         return GPT(dataclasses.replace(cfg.model_config(), vocab_size=vocab),
                    dtype=None if cfg.dtype == "float32" else cfg.compute_dtype(),
                    rngs=nnx.Rngs(cfg.seed)), "GPT"
+    if cfg.dtype != "float32":
+        raise ValueError(f"dtype={cfg.dtype!r} sets the built-in GPT's compute dtype; your model "
+                         f"sets its own (e.g. jaxbackend.nn layers' dtype=), so leave dtype unset.")
     if not isinstance(model, nnx.Module):
         factory, model = model, model(vocab_size=vocab, seq_len=cfg.seq, rngs=nnx.Rngs(cfg.seed))
         if not isinstance(model, nnx.Module):

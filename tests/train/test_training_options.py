@@ -85,3 +85,9 @@ def test_cli_option_errors(args, message, capsys, tmp_path):
     code = _cli.main(["--tiny", "--out", str(tmp_path), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_dtype_is_refused_for_a_user_model(tmp_path):
+    with pytest.raises(ValueError, match="dtype='bfloat16' sets the built-in GPT's compute dtype"):
+        train(_cfg(tmp_path, dtype="bfloat16"), log=lambda s: None,
+              model=nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
