@@ -58,8 +58,8 @@ def z_loss(model: TinyLlama, tokens, targets, weight: float = 1e-4):
 
 def main(tiny: bool, data: str, out: str) -> None:
     if tiny:
-        cfg = TrainConfig(steps=40, batch=4, seq=32, ckpt_every=20, eval_every=0, eval_batches=2,
-                          sample_chars=40, warmup=5, out=out, quiet=True)
+        cfg = TrainConfig(steps=20, batch=4, seq=32, ckpt_every=10, eval_every=0, eval_batches=2,
+                          sample_chars=20, warmup=5, out=out, quiet=True)
         model = TinyLlama(128, cfg.seq, embd=32, layers=1, rngs=nnx.Rngs(0))
     else:
         cfg = TrainConfig(steps=300, out=out)
@@ -73,8 +73,8 @@ def main(tiny: bool, data: str, out: str) -> None:
     print(f"{result['steps_run']} steps in {result['elapsed']:.1f} s; validation "
           f"{result['val']:.3f} vs unigram baseline {result['baseline']:.3f} nats/char "
           f"(cross entropy + z-loss)")
-    # Resume and extend: same model, loss and data; 10 more steps.
-    more = train(TrainConfig(**{**cfg.__dict__, "steps": cfg.steps + 10, "resume": True}),
+    # Resume and extend: same model, loss and data; 5 more steps.
+    more = train(TrainConfig(**{**cfg.__dict__, "steps": cfg.steps + 5, "resume": True}),
                  log=print, model=model, loss=z_loss, data=text)
     print(f"resumed at step {cfg.steps} and ran {more['steps_run']} more steps")
 

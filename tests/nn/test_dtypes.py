@@ -94,7 +94,7 @@ def test_attention_softmax_in_float32_under_bf16():
 def test_gpt_mixed_precision_f32_params_bf16_logits_f32_loss():
     from jaxbackend.models import GPT, GPTConfig
 
-    cfg = GPTConfig(n_layers=2, embd=16, heads=4, kv_heads=2, seq_len=8)
+    cfg = GPTConfig(n_layers=1, embd=16, heads=4, kv_heads=2, seq_len=8)
     ref, low = GPT(cfg, rngs=nnx.Rngs(0)), GPT(cfg, dtype=BF16, rngs=nnx.Rngs(0))
     assert {p.dtype for p in jax.tree.leaves(nnx.state(low, nnx.Param))} == {jnp.dtype(F32)}
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)

@@ -3,10 +3,7 @@ was given (an instance or a factory, a loss written against the module, a
 text, a file or token ids), a resume checks it is the same, and the CLI's
 `--model`/`--data` reach the same code with one-line errors."""
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +16,7 @@ from jaxbackend import named as nx
 from jaxbackend.models import GPT, lm_loss
 from jaxbackend.testing import assert_close
 from jaxbackend.train import CheckpointError, TrainConfig, _data, train
+from jaxbackend.train import _cli as _cli_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = (ROOT / "README.md").read_text() * 4
@@ -158,19 +156,21 @@ def test_gpt_loss_is_lm_loss_of_its_logits():
     assert_close(model.loss(x, x), ref, scale=ref)
 
 
-def _cli(*args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "jaxbackend", "train", "--tiny", "--quiet", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+def _cli(args, capsys, monkeypatch, cwd):
+    """`python -m jaxbackend train --tiny --quiet ARGS` in this process, run
+    from `cwd`: (exit code, stdout, stderr)."""
+    monkeypatch.chdir(cwd)
+    code = _cli_module.main(["--tiny", "--quiet", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_cli_trains_a_model_script_on_a_data_file(tmp_path, factory_file):
+def test_cli_trains_a_model_script_on_a_data_file(tmp_path, factory_file, capsys, monkeypatch):
     (tmp_path / "corpus.txt").write_text(TEXT)
-    r = _cli("--model", "bigram.py:build", "--data", "corpus.txt", "--steps", "20",
-             "--sample-chars", "0", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "tokens of corpus.txt" in r.stdout and "model: bigram.py:build" in r.stdout
+    code, out, err = _cli(["--model", "bigram.py:build", "--data", "corpus.txt", "--steps", "20",
+                           "--sample-chars", "0"], capsys, monkeypatch, tmp_path)
+    assert code == 0, err[-2000:]
+    assert "tokens of corpus.txt" in out and "model: bigram.py:build" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -180,7 +180,8 @@ def test_cli_trains_a_model_script_on_a_data_file(tmp_path, factory_file):
     (["--model", "bigram.py:nope"], "bigram.py has no model factory 'nope'; callables there: "),
     (["--data", "missing.txt"], "--data missing.txt: no such file"),
 ])
-def test_cli_model_and_data_errors_are_one_line(tmp_path, factory_file, args, message):
-    r = _cli(*args, cwd=tmp_path)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_cli_model_and_data_errors_are_one_line(tmp_path, factory_file, args, message, capsys,
+                                                monkeypatch):
+    code, _, err = _cli(args, capsys, monkeypatch, tmp_path)
+    assert code == 2 and "Traceback" not in err
+    assert message in err and len(err.strip().splitlines()) == 1, err
