@@ -304,9 +304,8 @@ def _donated_leaves(args, kwargs, static_argnums, static_argnames, nums, names) 
     donated (`donate_argnums` / `donate_argnames`, as jax.jit reads them)?"""
     n = len(args)
     nums = {i % n for i in nums if -n <= i < n}
-    statics = {i % n for i in static_argnums if -n <= i < n}
-    flags = (tuple(jax.tree.map(lambda _, d=i in nums: d, a)
-                   for i, a in enumerate(args) if i not in statics),
+    per_arg = [jax.tree.map(lambda _, d=i in nums: d, a) for i, a in enumerate(args)]
+    flags = (_split_static(per_arg, static_argnums)[1],   # the traced args, as _trace_flat
              {k: jax.tree.map(lambda _, d=k in names: d, v)
               for k, v in kwargs.items() if k not in static_argnames})
     return tuple(jax.tree.leaves(flags))

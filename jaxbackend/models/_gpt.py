@@ -103,12 +103,7 @@ class GPT(nnx.Module):
                                **dt, rngs=rngs))
 
     def __call__(self, tokens) -> nx.NamedArray:
-        if not isinstance(tokens, nx.NamedArray):
-            tokens = nx.as_named(tokens, ("batch", "time"))
-        t = tokens.sizes.get("time")
-        if t is None or t > self.config.seq_len:
-            raise nx.DimError(f"GPT: tokens have dims {tokens.sizes}; they need a 'time' dim of "
-                              f"size <= seq_len={self.config.seq_len}.")
+        tokens = self._tokens(tokens, "GPT")
         x = self.drop(self._embed(tokens, 0))
         for block in self.blocks:
             x = block(x)
@@ -130,12 +125,7 @@ class GPT(nnx.Module):
         positions) given the cache of the positions before: returns (logits
         (batch, time, vocab), the cache with these positions written). `pos`
         may be traced; the caller keeps pos + t <= the cache length."""
-        if not isinstance(tokens, nx.NamedArray):
-            tokens = nx.as_named(tokens, ("batch", "time"))
-        t = tokens.sizes.get("time")
-        if t is None or t > self.config.seq_len:
-            raise nx.DimError(f"GPT.decode: tokens have dims {tokens.sizes}; they need a 'time' "
-                              f"dim of size <= seq_len={self.config.seq_len}.")
+        tokens = self._tokens(tokens, "GPT.decode")
         if len(cache) != len(self.blocks):
             raise ValueError(f"GPT.decode: cache has {len(cache)} entries but the model has "
                              f"{len(self.blocks)} layers; build it with model.init_cache().")
@@ -145,6 +135,16 @@ class GPT(nnx.Module):
             x, c = block.decode(x, c, pos)
             new.append(c)
         return self._logits(x, tokens), tuple(new)
+
+    def _tokens(self, tokens, op: str) -> nx.NamedArray:
+        # int ids (batch, time), named if they are not, with time <= seq_len
+        if not isinstance(tokens, nx.NamedArray):
+            tokens = nx.as_named(tokens, ("batch", "time"))
+        t = tokens.sizes.get("time")
+        if t is None or t > self.config.seq_len:
+            raise nx.DimError(f"{op}: tokens have dims {tokens.sizes}; they need a 'time' dim of "
+                              f"size <= seq_len={self.config.seq_len}.")
+        return tokens
 
     def _embed(self, tokens: nx.NamedArray, pos) -> nx.NamedArray:
         # Token vectors plus the positions pos .. pos+t-1 of the table.

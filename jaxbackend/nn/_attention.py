@@ -101,17 +101,21 @@ class MultiHeadAttention(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: nx.NamedArray) -> nx.NamedArray:
-        check_input("MultiHeadAttention", x, {"embd": self.embd})
         tq, tk = self.time, self.time_k
-        if tq not in x.dims or tk in x.dims:
-            raise nx.DimError(f"MultiHeadAttention: the input has dims {x.dims}; it needs the "
-                              f"sequence dim {tq!r} and no {tk!r} dim (keys use that name); "
-                              f"pass time=<the input's sequence dim>.")
+        self._check(x, "MultiHeadAttention", tk, "keys use that name")
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.rotary:
             q, k = rope(q, time=tq), rope(k, time=tq)
         k, v = k.rename({tq: tk}), v.rename({tq: tk})
         return self._attend(q, k, v, tk, 0 if self.causal else None)
+
+    def _check(self, x: nx.NamedArray, op: str, taken: str, why: str) -> None:
+        # x has embd of the layer's size, the sequence dim, and not `taken`
+        check_input(op, x, {"embd": self.embd})
+        if self.time not in x.dims or taken in x.dims:
+            raise nx.DimError(f"{op}: the input has dims {x.dims}; it needs the sequence dim "
+                              f"{self.time!r} and no {taken!r} dim ({why}); pass time=<the "
+                              f"input's sequence dim>.")
 
     def init_cache(self, sizes: dict, length: int, dtype) -> tuple:
         """Empty (zero) k and v buffers for `decode`: dims (*sizes, kv_<time>,
@@ -128,15 +132,11 @@ class MultiHeadAttention(nnx.Module):
         (out, cache with x's k and v written at `pos`). `pos` may be traced;
         the caller keeps pos + t <= the buffer length (XLA clamps a write that
         would run past the end)."""
-        check_input("MultiHeadAttention.decode", x, {"embd": self.embd})
         tq, tc = self.time, f"kv_{self.time}"
+        self._check(x, "MultiHeadAttention.decode", tc, "the cache uses that name")
         if not self.causal:
             raise ValueError("MultiHeadAttention.decode: the layer has causal=False; a cache "
                              "only holds the past, so decode needs a causal layer.")
-        if tq not in x.dims or tc in x.dims:
-            raise nx.DimError(f"MultiHeadAttention.decode: the input has dims {x.dims}; it needs "
-                              f"the sequence dim {tq!r} and no {tc!r} dim (the cache uses that "
-                              f"name); pass time=<the input's sequence dim>.")
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.rotary:
             q, k = rope(q, time=tq, start=pos), rope(k, time=tq, start=pos)

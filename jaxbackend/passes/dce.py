@@ -82,15 +82,22 @@ def dce(closed):
     def subs(eqn):
         return _rewrite.map_subjaxprs(eqn, memo, sub)
 
-    eqns, outs = _rewrite.count_eqns(closed), _call_outputs(closed)
+    eqns, outs = _sizes(closed)
     closed = _jax.dce_keeping_signature(closed)
+    eqns_after, outs_after = _sizes(closed)
     # (a body shared by two equations may come back as two copies: clamp)
-    stats["dead removed"] += max(0, eqns - _rewrite.count_eqns(closed))
-    stats["loop/call outputs removed"] += max(0, outs - _call_outputs(closed))
+    stats["dead removed"] += max(0, eqns - eqns_after)
+    stats["loop/call outputs removed"] += max(0, outs - outs_after)
     out = sub(closed)
     _rewrite.record_stats(stats)
     return out
 
 
-def _call_outputs(closed) -> int:
-    return sum(len(e.outvars) for e in _rewrite.iter_eqns(closed) if _jax.has_sub_jaxprs(e))
+def _sizes(closed) -> tuple:
+    """(equations, outputs of loop/call equations), sub-jaxprs included: one walk."""
+    eqns = outs = 0
+    for e in _rewrite.iter_eqns(closed):
+        eqns += 1
+        if _jax.has_sub_jaxprs(e):
+            outs += len(e.outvars)
+    return eqns, outs
