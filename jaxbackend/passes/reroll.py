@@ -35,13 +35,21 @@ shape, not one per layer. Sub-jaxprs (`jit`, `scan`, `cond`, `while`,
 remat, custom-derivative bodies) are rolled the same way, recursively, once
 per distinct object.
 
+The element-wise tail after the last run (the optimizer update of every
+layer's weights: AdamW is ~18 equations per weight and layer) is applied once
+per family to the stacks instead of once per layer (`_reroll_vector` says
+which equations and why the values stay the same); only its results that
+something reads are indexed out. Per-layer inputs no stack holds (optimizer
+moments) are stacked, a copy per call like the weights.
+
 Precondition: a ClosedJaxpr (any; typically the flat jaxpr of a model or of
 its `value_and_grad`).
 Invariant established: same input and output types, same values up to float
 reassociation; afterwards every rolled run of >= `min_repeats` blocks is one
 `scan` equation, and no run of the result has >= `min_repeats` blocks of the
 same kind left (running the pass twice equals running it once).
-Leaves alone: equations outside runs (kept unchanged, in order), blocks
+Leaves alone: equations outside runs (kept unchanged, in order, except the
+vectorised element-wise tail above), blocks
 that differ in any parameter, shape, literal or data flow (e.g. a last layer
 of another width, a skip connection across two layers, a per-layer literal
 such as a dropout key folded with the layer index, a per-layer custom_vjp
@@ -57,12 +65,11 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
-from jaxbackend.passes import _rewrite
+from jaxbackend.passes import _reroll_vector, _rewrite, _stacks
 from jaxbackend.passes._reroll_find import find_runs
 from jaxbackend.passes._reroll_run import Carry, Inner, Lit, Outside, Run
 
@@ -89,6 +96,8 @@ class RerollStats:
     stacked_copies: int = 0        # per-block input lists stacked by copying
     stacked_copy_bytes: int = 0    # bytes those copies move per call
     stacks_reused: int = 0         # per-block input lists read from an earlier stack
+    vectorized: int = 0            # element-wise families applied once to stacks
+    vectorized_eqns: int = 0       # the per-block equations those replaced
 
     @property
     def repeats(self) -> list:
@@ -101,17 +110,20 @@ def reroll(closed_jaxpr, *, min_repeats: int = 2):
     return reroll_with_stats(closed_jaxpr, min_repeats=min_repeats)[0]
 
 
-def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2):
-    """`reroll` plus a `RerollStats` describing the runs found."""
+def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2, vectorize: bool = True):
+    """`reroll` plus a `RerollStats` describing the runs found.
+    `vectorize=False` keeps the element-wise tail per block (see
+    `_reroll_vector`; the reference its tests compare against)."""
     if min_repeats < 2:
         raise ValueError(f"reroll: min_repeats={min_repeats} must be >= 2 (a run of one block "
                          "is not a loop); pass min_repeats=2 or more.")
     stats = RerollStats(eqns_before=len(_jax.open_jaxpr(closed_jaxpr).eqns))
-    out = _Splicer(min_repeats, stats).sub(closed_jaxpr)
+    out = _Splicer(min_repeats, stats, vectorize).sub(closed_jaxpr)
     stats.eqns_after = len(_jax.open_jaxpr(out).eqns)
     _rewrite.record_stats({"reroll.runs": len(stats.runs),
                            "reroll.blocks_rolled": sum(stats.repeats),
-                           "reroll.stacked_copies": stats.stacked_copies})
+                           "reroll.stacked_copies": stats.stacked_copies,
+                           "reroll.vectorized": stats.vectorized_eqns})
     return out, stats
 
 
@@ -123,8 +135,9 @@ class _Splicer:
     Sub-jaxprs (`jit`, `scan`, `cond`, remat, custom-derivative bodies) are
     rolled recursively, once per distinct object."""
 
-    def __init__(self, min_repeats, stats):
+    def __init__(self, min_repeats, stats, vectorize=True):
         self.min_repeats, self.stats, self.memo = min_repeats, stats, {}
+        self.vectorize = vectorize
         self.keys = _rewrite.StructuralKeys()   # one for every jaxpr: each keyed once
 
     def sub(self, j):
@@ -145,8 +158,11 @@ class _Splicer:
         """The new outvars (equations into builder `b`), or None when
         neither this jaxpr nor any sub-jaxpr changed."""
         runs = find_runs(jaxpr, self.min_repeats, self.keys)
-        walk = _Walk(jaxpr, runs, b, self.stats, self._subs)
-        for eqn in walk.kept():
+        walk = _Walk(jaxpr, runs, b, self.stats, self._subs,
+                     self.min_repeats if self.vectorize else None)
+        for i, eqn in walk.kept():
+            if walk.vectorized(i):
+                continue
             new = self._subs(eqn)
             b.changed |= new is not eqn
             walk.keep(new)
@@ -158,8 +174,8 @@ class _Splicer:
 class _Walk:
     """One pass over one jaxpr's equations: runs replaced, the rest kept."""
 
-    def __init__(self, jaxpr, runs, b, stats, subs):
-        self.jaxpr, self.b, self.stats = jaxpr, b, stats
+    def __init__(self, jaxpr, runs, b, stats, subs, min_repeats):
+        self.jaxpr, self.b, self.stats, self.min_repeats = jaxpr, b, stats, min_repeats
         self.subs = subs      # eqn -> eqn with its sub-jaxprs rolled
         self.run_at = {r.start: r for r in runs}
         self.max_repeats = max((r.repeats for r in runs), default=0)
@@ -167,19 +183,36 @@ class _Walk:
         self.stacked = {}     # old var -> (stack id, index): a per-block result
         self.stacks = []      # stack id -> atom of the stacked array
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
+        self.tail = max((r.stop for r in runs), default=len(jaxpr.eqns))
+        self.vector = {}      # position after the last run -> its Family (`_reroll_vector`)
+        self.family_out = {}  # (id(family), output k) -> atom of the stacked result
 
     def kept(self):
-        """Yield each equation outside runs, in order, after emitting the
-        scan of every run before it."""
+        """Yield (position, equation) for each equation outside runs, in
+        order, after emitting the scan of every run before it."""
         eqns, i = self.jaxpr.eqns, 0
         while i < len(eqns):
             run = self.run_at.get(i)
             if run is None:
-                yield eqns[i]
+                yield i, eqns[i]
                 i += 1
             else:
                 self._scan(run)
                 i = run.stop
+                if i == self.tail and self.min_repeats:   # every stack exists: plan the tail
+                    self.vector = _reroll_vector.plan(
+                        eqns[i:], self.stacked, {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
+                        self.min_repeats)
+
+    def vectorized(self, pos: int) -> bool:
+        """Whether equation `pos` is a member of an applied family (its
+        family's one equation is emitted at the last member)."""
+        fam = self.vector.get(pos - self.tail) if pos >= self.tail else None
+        if fam is None:
+            return False
+        if pos - self.tail == fam.last:
+            _reroll_vector.emit(self, fam)
+        return True
 
     def keep(self, eqn):
         invars = [self.read(v) for v in eqn.invars]
@@ -202,7 +235,7 @@ class _Walk:
 
     def _index_out(self, sid, idx):
         """Entry idx of stack sid as an atom: one dynamic_slice at an opaque
-        offset (see `_opaque_indices`) and a reshape (a bitcast), so every
+        offset (see `_stacks.opaque_indices`) and a reshape (a bitcast), so every
         read of one shape is the same XLA kernel."""
         arr = self.stacks[sid]
         if not arr.aval.size:   # nothing to read, nor to compile: a static slice
@@ -210,12 +243,12 @@ class _Walk:
                                 key=("reroll.index", idx))[0]
         if self.indices is None:   # from a non-empty stack: the trip count reads an element
             n = self.max_repeats
-            self.indices = self.b.emit(lambda like: _opaque_indices(n, like), [arr],
+            self.indices = self.b.emit(lambda like: _stacks.opaque_indices(n, like), [arr],
                                         key=("reroll.opaque", n))
-        out, = self.b.emit(_unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
+        out, = self.b.emit(_stacks.unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
         return out
 
-    def _register(self, arr, vars_in_array_order):
+    def register(self, arr, vars_in_array_order):
         sid = len(self.stacks)
         self.stacks.append(arr)
         for idx, v in enumerate(vars_in_array_order):
@@ -236,7 +269,7 @@ class _Walk:
         return sid, i0, step
 
     # -- one run ---------------------------------------------------------------
-    def _xs(self, vs, reverse: bool):
+    def stack_inputs(self, vs, reverse: bool):
         """Atom of the array whose entry t is block j's input, t = j (or
         n-1-j if reverse): an earlier stack (or a slice of it) when one holds
         exactly these values in this order, else a new stack (a copy)."""
@@ -252,11 +285,11 @@ class _Walk:
             return self.b.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
                                 key=("reroll.slice", lo, n))[0]
         order = list(reversed(vs)) if reverse else list(vs)
-        arr, = self.b.emit(lambda *xs: _stack(xs), [self.read(v) for v in order],
+        arr, = self.b.emit(lambda *xs: _stacks.stack(xs), [self.read(v) for v in order],
                             key="reroll.stack")
         self.stats.stacked_copies += 1
         self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
-        self._register(arr, order)
+        self.register(arr, order)
         return arr
 
     def _body(self, run: Run, const_slots, xs_slots):
@@ -304,7 +337,7 @@ class _Walk:
         const_slots = [s for s in range(len(run.outside)) if s not in set(per_block)]
         args = ([self.read(run.outside[s][0]) for s in const_slots]
                 + [self.read(v) for v in run.carry_init]
-                + [self._xs(run.outside[s], reverse) for s in per_block])
+                + [self.stack_inputs(run.outside[s], reverse) for s in per_block])
         body = self._body(run, const_slots, per_block)
         n_consts, n_carry = len(const_slots), len(run.carry_slots)
         outs = self.b.emit(lambda *a: _jax.scan_bind(body, a, length=n, reverse=reverse,
@@ -325,55 +358,10 @@ class _Walk:
             order = [None] * n
             for j in range(n):
                 order[pos(j)] = out_var(j, slot)
-            self._register(arr, order)
+            self.register(arr, order)
         for arr, c in zip(ys[len(run.ys_slots):], run.carry_ys):
             # entry for block j is its carry-in: the init, or block j-1's result
             order = [None] * n
             for j in range(n):
                 order[pos(j)] = run.carry_init[c] if j == 0 else out_var(j - 1, run.carry_slots[c])
-            self._register(arr, order)
-
-
-def _stack(xs):
-    """jnp.stack(xs), as one concatenate along the existing leading axis and a
-    reshape (a bitcast): one XLA op per stack instead of one reshape per
-    element (measured: the 12 weight stacks of 64 layers compile in 0.55 s
-    this way, 0.85 s as jnp.stack)."""
-    shape = xs[0].shape
-    if not shape:
-        return jnp.stack(xs)
-    return lax.concatenate(list(xs), 0).reshape((len(xs),) + shape)
-
-
-def _unstack_one(arr, i):
-    """arr[i] for a runtime scalar i: one dynamic_slice and a reshape (which
-    XLA makes a bitcast; lax.dynamic_index_in_dim would add a nested jit).
-    The other offsets are zeros of i's own dtype: a Python 0 would be int64
-    under jax_enable_x64, and dynamic_slice wants one index dtype."""
-    zero = np.zeros((), i.dtype)
-    row = lax.dynamic_slice(arr, (i,) + (zero,) * (arr.ndim - 1), (1,) + arr.shape[1:],
-                            allow_negative_indices=False)
-    return row.reshape(arr.shape[1:])
-
-
-def _opaque_indices(n: int, like):
-    """Scalars 0..n-1 whose values XLA cannot see at compile time.
-
-    Unstacking a scan's output into per-layer results (the weight gradients
-    the caller expects) takes one slice per layer. With constant offsets each
-    slice is a different XLA:CPU kernel, compiled separately: ~10-40 ms each,
-    hundreds per deep model, which alone would cost more than compiling the
-    scan (measured: 64 slices of one array, 2.9 s; this way, 0.29 s). With the
-    offset a runtime scalar, all slices of one shape are one kernel, which
-    XLA compiles once. The scalars come out of a `while` loop that runs zero
-    times (its trip count is a value XLA cannot know: whether `like`'s first
-    element is NaN) and whose body would leave them unchanged anyway (it adds
-    the counter, 0, on its only possible iteration), so the values are always
-    0..n-1; the loop costs a few microseconds per call.
-    """
-    first = lax.index_in_dim(like.reshape(-1), 0, keepdims=False)
-    trips = (first != first).astype(jnp.int32)
-    init = (jnp.int32(0), tuple(jnp.int32(i) for i in range(n)))
-    _, idx = lax.while_loop(lambda c: c[0] < trips,
-                            lambda c: (c[0] + 1, tuple(x + c[0] for x in c[1])), init)
-    return idx
+            self.register(arr, order)

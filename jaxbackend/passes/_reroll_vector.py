@@ -1,0 +1,223 @@
+"""Vectorise the per-block element-wise tail of a rolled program.
+
+After `reroll` has rolled the layers (forward and backward) into `scan`s,
+what follows the last scan is typically the optimizer: AdamW applied to each
+layer's copy of each weight, i.e. the same few element-wise equations once per
+layer and per weight kind (16,000 of a 64-layer GPT step's equations). Their
+inputs are per-layer values that a stack already holds (the weight gradients:
+a backward scan's stacked output; the weights: the forward scan's stacked
+input) or per-layer program inputs (the optimizer moments).
+
+This module plans to apply each such family of equations once, to the stacks:
+one `mul` on `f32[L, ...]` instead of L `mul`s on `f32[...]`. It is the
+analysis only; `reroll._Walk` emits the plan (it owns the stacks).
+
+How (three linear walks over the equations after the last run):
+1. layer index: an equation whose located inputs (entry i of a stack) all
+   have one index i gets index i, and so do its outputs (forward); an
+   unlocated equation whose indexed readers all agree gets theirs (backward:
+   `b1 * mu_i` is read by `(1 - b1) * g_i + ...`, so it belongs to layer i);
+2. families: indexed equations with equal primitive, params (hashable, equal),
+   input/output types and input kinds (entry of stack s; output k of family
+   f; a literal of one value; another value) form one family, member i (an
+   index seen twice opens another family of that key: same-shape weights in
+   two roles, filled in program order; a wrong guess only leaves a family
+   incomplete, hence unapplied);
+3. validity, to a fixpoint: a family is applied when its members are exactly
+   indices 0..n-1 (n >= min_repeats) of stacks/families of length n, each
+   "other" input is either one atom shared by all members or distinct per
+   member (then stacked, a copy), and no equation outside applied families
+   reads a member's result before the family's last member (where the one
+   vector equation is placed; later readers get entry i lazily).
+
+Which equations: element-wise primitives (`_jax.ELEMENTWISE`) and
+reductions (their axes shift by one), without effects or sub-jaxprs.
+
+Invariant (what the emitted program keeps): every member result equals the
+original one. Element-wise primitives compute each element independently
+with the same params, so applying one to stacked inputs and taking entry i is
+bit-identical on every backend that evaluates the op the same way in both
+shapes; a reduction over a member's axes reduces the same elements (XLA may
+order the sum differently: float reassociation, as for `reroll` itself).
+Integer, boolean and non-finite values are handled alike (no arithmetic is
+added or moved across members; entries are never mixed). Inputs and outputs
+of the program are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax import lax
+
+from jaxbackend import _jax
+
+_CONFLICT = -1
+
+
+@dataclasses.dataclass(eq=False)
+class Family:
+    """Equations that are one primitive applied to entry i of the same
+    stacks (member i, at position `members[i]` of the walked equations)."""
+
+    key: tuple
+    members: dict = dataclasses.field(default_factory=dict)   # index -> position
+    ok: bool = True
+    last: int = -1                     # position of the last member (the emission point)
+    kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",) | ("o",)
+    shared: tuple = ()                 # per input: True when one atom serves every member
+
+
+def _eligible(eqn) -> bool:
+    name = eqn.primitive.name
+    return ((name in _jax.ELEMENTWISE or name in _jax.REDUCTIONS)
+            and not eqn.effects and not _jax.has_sub_jaxprs(eqn)
+            and _jax.params_key(eqn.params) is not None
+            and not any(_jax.is_dropvar(v) for v in eqn.outvars))
+
+
+def _type(aval) -> tuple:
+    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+
+
+def plan(eqns, located: dict, stack_len: dict, min_repeats: int) -> dict:
+    """{position: Family} for the members of every family to apply, given
+    `located` (var -> (stack id, index)) and `stack_len` (stack id -> n)."""
+    n_eq = len(eqns)
+    elig = [_eligible(e) for e in eqns]
+    index: list = [None] * n_eq
+    var_index = {v: i for v, (_, i) in located.items()}
+    readers: dict = {}
+    for k, e in enumerate(eqns):                       # 1a. forward indices
+        for v in e.invars:
+            if _jax.is_var(v):
+                readers.setdefault(v, []).append(k)
+        if not elig[k]:
+            continue
+        got = {var_index[v] for v in e.invars if _jax.is_var(v) and v in var_index}
+        if len(got) == 1:
+            index[k] = got.pop()
+            for o in e.outvars:
+                var_index[o] = index[k]
+        elif got:
+            index[k] = _CONFLICT
+    for k in range(n_eq - 1, -1, -1):                  # 1b. backward indices
+        if not elig[k] or index[k] is not None:
+            continue
+        got = {index[r] for o in eqns[k].outvars for r in readers.get(o, ())}
+        got.discard(None)
+        if len(got) == 1 and _CONFLICT not in got:
+            index[k] = got.pop()
+
+    families: list = []                                 # 2. families
+    by_key: dict = {}
+    made_by: dict = {}                                  # var -> (family, output k)
+    fam_at: list = [None] * n_eq
+    for k, e in enumerate(eqns):
+        i = index[k]
+        if i is None or i == _CONFLICT:
+            continue
+        kinds: list = []
+        for a in e.invars:
+            if not _jax.is_var(a):
+                kinds.append(("lit", _jax.literal_value(a).tobytes()))
+            elif a in made_by:
+                f, j = made_by[a]
+                kinds.append(("f", id(f), j))
+            elif a in located:
+                kinds.append(("s", located[a][0]))
+            else:
+                kinds.append(("o",))
+        key = (e.primitive, _jax.params_key(e.params), tuple(_type(a.aval) for a in e.invars),
+               tuple(_type(v.aval) for v in e.outvars), tuple(kinds))
+        # equal keys, one index twice (weights of one shape in two roles: two
+        # layer norms' scales): a lane per role, filled in program order
+        lanes = by_key.setdefault(key, [])
+        fam = next((f for f in lanes if i not in f.members), None)
+        if fam is None:
+            fam = Family(key, kinds=tuple(kinds))
+            lanes.append(fam)
+            families.append(fam)
+        fam.members[i] = k
+        fam.last = max(fam.last, k)
+        fam_at[k] = fam
+        for j, o in enumerate(e.outvars):
+            made_by[o] = (fam, j)
+
+    by_id = {id(f): f for f in families}
+    for fam in families:                                # 3a. shape of each family
+        n = len(fam.members)
+        fam.ok = n >= min_repeats and set(fam.members) == set(range(n))
+        if not fam.ok:
+            continue
+        shared = []
+        for p, kind in enumerate(fam.kinds):
+            atoms = [eqns[fam.members[i]].invars[p] for i in range(n)]
+            if kind[0] == "s":
+                fam.ok &= stack_len[kind[1]] == n
+            if kind[0] in ("lit",):
+                shared.append(True)
+            elif kind[0] == "o":
+                distinct = len(set(map(id, atoms)))
+                fam.ok &= distinct in (1, n)
+                shared.append(distinct == 1)
+            else:
+                shared.append(False)
+        fam.shared = tuple(shared)
+
+    changed = True                                       # 3b. validity fixpoint
+    while changed:
+        changed = False
+        for fam in families:
+            if not fam.ok:
+                continue
+            bad = any(k[0] == "f" and (not by_id[k[1]].ok or len(by_id[k[1]].members)
+                                       != len(fam.members)) for k in fam.kinds)
+            if not bad:
+                bad = any(r <= fam.last and not (fam_at[r] is not None and fam_at[r].ok)
+                          for k in fam.members.values() for o in eqns[k].outvars
+                          for r in readers.get(o, ()))
+            if bad:
+                fam.ok, changed = False, True
+    return {k: fam for fam in families if fam.ok for k in fam.members.values()}
+
+
+def emit(walk, fam):
+    """Emit `fam` into `walk` (a `reroll._Walk`) as one equation on stacks;
+    entry i of its result is member i's result, which later readers index
+    out lazily (`walk.read`)."""
+    members = [walk.jaxpr.eqns[walk.tail + fam.members[i]] for i in range(len(fam.members))]
+    e0, n = members[0], len(members)
+    out_shape = tuple(e0.outvars[0].aval.shape)
+    args = []
+    for p, kind in enumerate(fam.kinds):
+        aval = e0.invars[p].aval
+        if fam.shared[p]:
+            arr = walk.read(e0.invars[p])
+            if aval.ndim:      # one array for every member: the same entry for each
+                arr = _broadcast(walk.b, arr, (n,) + tuple(aval.shape),
+                                 tuple(range(1, aval.ndim + 1)))
+        else:
+            if kind[0] == "s":
+                arr = walk.stacks[kind[1]]
+            elif kind[0] == "f":
+                arr = walk.family_out[kind[1:]]
+            else:              # distinct per member: stacked (a copy), or an earlier stack
+                arr = walk.stack_inputs([m.invars[p] for m in members], reverse=False)
+            if not aval.ndim and out_shape:   # a per-member scalar next to arrays
+                arr = _broadcast(walk.b, arr, (n,) + out_shape, (0,))
+        args.append(arr)
+    params = _jax.eqn_params(e0)
+    if e0.primitive.name in _jax.REDUCTIONS:
+        params = _jax.reduce_params(e0, [a + 1 for a in _jax.reduce_axes(e0)])
+    outs = walk.b.bind(e0.primitive, args, **params)
+    for k, out in enumerate(outs):
+        walk.family_out[(id(fam), k)] = out
+        walk.register(out, [m.outvars[k] for m in members])
+    walk.stats.vectorized += 1
+    walk.stats.vectorized_eqns += n
+
+
+def _broadcast(b, arr, shape, dims):
+    return b.emit(lambda a: lax.broadcast_in_dim(a, shape, dims), [arr],
+                  key=("reroll.broadcast", shape, dims))[0]

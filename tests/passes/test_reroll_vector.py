@@ -1,0 +1,132 @@
+"""`reroll`'s element-wise tail: the per-layer optimizer update applied once
+per weight kind to the stacks (`passes/_reroll_vector.py`).
+
+Reference: the same program rolled with `vectorize=False` (the tail kept per
+layer) and the unrolled program itself, by `jaxbackend.testing`'s error model.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxbackend import _jax
+from jaxbackend.passes.reroll import reroll_with_stats
+from jaxbackend.programs.small import rand
+from jaxbackend.testing import assert_same_values
+
+N, D = 6, 6
+
+
+def _layers(x, ws):
+    for w1, w2, b in ws:
+        x = x + jnp.tanh(x @ w1 + b) @ w2
+    return (x ** 2).sum()
+
+
+def _ws(n=N):
+    # w1 and w2 have one shape in two roles
+    return [(rand(10 + i, D, D) * 0.3, rand(20 + i, D, D) * 0.3, rand(30 + i, D) * 0.1)
+            for i in range(n)]
+
+
+def _step_jaxpr(tail):
+    """The flat jaxpr of value_and_grad over the layers followed by `tail`
+    (grads, weights, state) -> outputs, and its flat inputs."""
+    x, ws = rand(7, 3, D), _ws()
+    state = tail.init(ws) if hasattr(tail, "init") else None
+
+    def step(ws, state, x):
+        # grads of x too: then layer 0's blocks match the others (two runs of N)
+        loss, (_, g) = jax.value_and_grad(_layers, argnums=(0, 1))(x, ws)
+        return loss, tail(g, ws, state)
+
+    leaves, tree = jax.tree.flatten((ws, state, x))
+    closed = jax.make_jaxpr(lambda *xs: step(*jax.tree.unflatten(tree, xs)))(*leaves)
+    return closed, leaves
+
+
+class _AdamW:
+    def __init__(self, **kw):
+        self.tx = optax.adamw(1e-2, **kw)
+
+    def init(self, ws):
+        return self.tx.init(ws)
+
+    def __call__(self, g, ws, state):
+        updates, state = self.tx.update(g, state, ws)
+        return optax.apply_updates(ws, updates), state
+
+
+def _tail_counts(closed):
+    eqns = _jax.open_jaxpr(closed).eqns
+    last = max(i for i, e in enumerate(eqns) if e.primitive.name == "scan")
+    return collections.Counter(e.primitive.name for e in eqns[last + 1:])
+
+
+def _check(tail):
+    closed, leaves = _step_jaxpr(tail)
+    out, stats = reroll_with_stats(closed, min_repeats=2)
+    per_layer, _ = reroll_with_stats(closed, min_repeats=2, vectorize=False)
+    assert stats.repeats == [N, N]
+    assert_same_values(per_layer, out, leaves, what="vectorised tail vs per-layer tail")
+    assert_same_values(closed, out, leaves, what="vectorised tail vs unrolled program")
+    return out, per_layer, stats
+
+
+def test_adamw_update_is_applied_once_per_weight_kind():
+    out, per_layer, stats = _check(_AdamW())
+    # every per-layer equation of the update belongs to a family of N members
+    assert stats.vectorized_eqns == N * stats.vectorized > 0
+    before, after = _tail_counts(per_layer), _tail_counts(out)
+    for prim in ("mul", "add", "div", "sqrt"):
+        # per weight kind: N equations before, one after (plus the one or
+        # two scalar equations of the bias corrections, not per layer)
+        assert after[prim] <= before[prim] // N + 2, (prim, before[prim], after[prim])
+
+
+def test_same_shape_weights_in_two_roles_get_a_family_each():
+    out, _, stats = _check(lambda g, ws, _: jax.tree.map(lambda w, d: w - 0.1 * d, ws, g))
+    # 3 weights per layer, 2 equations each (mul, sub): 6 families, w1 and w2
+    # (one shape) in a family each
+    assert stats.vectorized == 6 and stats.vectorized_eqns == 6 * N
+
+
+def test_per_layer_reductions_shift_their_axes():
+    out, _, stats = _check(lambda g, ws, _: [jnp.sum(gi * gi, axis=0) for gi, *_ in g])
+    assert stats.vectorized == 2   # mul and reduce_sum, each once for N layers
+    assert _tail_counts(out)["reduce_sum"] == 1
+
+
+def _growing(g, ws, _):
+    acc = jnp.zeros((0,))
+    for gi in g:   # concatenate (not element-wise) reads each sum before the next exists
+        acc = jnp.concatenate([acc, jnp.sum(gi[0])[None]])
+    return acc
+
+
+def test_a_result_read_before_the_last_member_keeps_its_family_per_layer():
+    out, _, stats = _check(_growing)
+    assert _tail_counts(out)["reduce_sum"] == N
+    assert stats.vectorized_eqns == 0
+
+
+def test_global_norm_clipping_matches():
+    # optax's running sum of squares is itself a chain of identical blocks
+    # (rolled into a third scan); the scaling after it is applied once per kind
+    clip = optax.clip_by_global_norm(1e-3)
+    clipped, leaves = _step_jaxpr(lambda g, ws, _: clip.update(g, None)[0])
+    out, stats = reroll_with_stats(clipped, min_repeats=2)
+    assert len(stats.runs) == 3 and stats.vectorized_eqns == 9 * N
+    assert_same_values(clipped, out, leaves, what="clipped tail")
+
+
+def test_an_index_mismatch_between_stacks_is_not_merged():
+    # layer i's gradient combined with layer N-1-i's weight: the entries of
+    # two stacks at different indices are never one family member
+    out, _, stats = _check(lambda g, ws, _: [gi[0] * wj[0] for gi, wj in zip(g, ws[::-1])])
+    assert stats.vectorized_eqns == 0
+    assert _tail_counts(out)["mul"] >= N
