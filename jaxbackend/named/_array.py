@@ -88,6 +88,10 @@ class NamedArray:
         inner = ", ".join(f"{d}: {n}" for d, n in zip(self.dims, self.shape))
         return f"NamedArray({{{inner}}}, dtype={self.dtype})\n{self.values!r}"
 
+    def _repr_html_(self) -> str:
+        from jaxbackend.named import _display
+        return _display.html(self)
+
     def __bool__(self):
         return bool(self.values)
 

@@ -27,11 +27,13 @@ keeps it on the first (listed in `plan.exceptions`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbackend import _jax
+from jaxbackend import _html, _jax
 from jaxbackend.named import NamedArray
 from jaxbackend.sharding import _axis_rules, _graph, _search
 from jaxbackend.sharding._cost import KINDS, CostModel
@@ -165,8 +167,48 @@ class Plan:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """`table()`'s facts as HTML tables, for Jupyter: the rules (with how
+        many pieces each dim is cut into), the modelled cost per step and
+        device, the search's verdict and the exceptions."""
+        c, sizes = self.cost, dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        rules = [(d, _axes_text(a), math.prod(sizes[x] for x in _axes_tuple(a)))
+                 for d, a in self.rules.items()]
+        cost = [("compute", f"{c.compute * 1e3:.4g}", "", "")]
+        cost += [(k, f"{c.collective(k).time * 1e3:.4g}", f"{c.collective(k).bytes:,.0f}",
+                  f"{c.collective(k).count:g}") for k in KINDS]
+        cost += [("step (modelled)", f"{c.time * 1e3:.4g}", "", ""),
+                 ("memory/device", "", f"{c.memory:,.0f}", "")]
+        parts = [_html.table(("dim", "mesh axes", "pieces"), rules,
+                             "rules: dim name → mesh axes"),
+                 _html.table(("cost", "time (ms)", "bytes/device", "count"), cost,
+                             "modelled cost per step, per device")]
+        st = self.stats
+        if not st:
+            parts.append(_html.note("rules given, not searched"))
+        else:
+            proven = ("proven optimal" if st.get("optimal")
+                      else f"NOT proven optimal ({st.get('why')})")
+            parts.append(_html.note(f"search: {st.get('method')}, {proven}, over "
+                                    f"{st.get('candidates', 0):,} rule sets "
+                                    f"in {st.get('seconds', 0.0):.3g} s"))
+        if self.exceptions:
+            rows = [(where, d, _axes_text(a)) for where, d, a in self.exceptions]
+            parts.append(_html.table(("tensor", "dim", "not on"), rows,
+                                     "exceptions: mesh axis already used by an earlier dim"))
+        return _html.box(f"Plan on {self.mesh!r}", *parts)
+
     def __repr__(self):
         return f"Plan(rules={self.rules}, time={self.cost.time:.4g}s, memory={self.cost.memory:.4g}B)"
+
+
+def _axes_tuple(axes) -> tuple:
+    """A rule value (None, one mesh axis, or a tuple of them) as a tuple."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _axes_text(axes) -> str:
+    return " × ".join(_axes_tuple(axes)) or "replicated"
 
 
 def plan_jaxpr(closed, in_dims, out_dims, in_tree, out_tree, *, mesh, rules=None,
