@@ -266,11 +266,11 @@ def _paired_depth_ratio(make, lo, hi, repeat):
 def _stack_copy_cost(n):
     """Per-call seconds of stacking n layers' 12 weights (what reroll's forward
     scan copies), vs. one rolled training step: measured on its own."""
-    from jaxbackend.passes.reroll import _stack  # the pass's own stacking
+    from jaxbackend.passes._stacks import stack  # the pass's own stacking
     from jaxbackend.programs import transformer as T
 
     _, layers = T.init_transformer(jax.random.key(0), n)
-    f = jax.jit(lambda ls: {k: _stack([p[k] for p in ls]) for k in ls[0]})
+    f = jax.jit(lambda ls: {k: stack([p[k] for p in ls]) for k in ls[0]})
     nbytes = sum(w.size * w.dtype.itemsize for p in layers for w in p.values())
     return _step_time(f, (layers,)), nbytes
 
