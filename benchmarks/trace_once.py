@@ -39,7 +39,35 @@ VARIANTS = ("cached", "uncached", "hand scan")
 STEPS = 10   # timed steps per point (after one warm-up)
 
 
+TF_VARIANTS = ("tf cached", "tf hand scan")
+
+
+def run_transformer_point(variant: str, layers: int) -> dict:
+    """The pre-LN transformer of `compile_scaling --section reroll`
+    (value_and_grad w.r.t. input and weights): the for-loop with `jb.layer`
+    under `jb.jit`, or the hand scan under `jax.jit`."""
+    import jax
+
+    import jaxbackend as jb
+    from jaxbackend.programs import transformer as T
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    x, layers_ = T.init_transformer(jax.random.key(layers), layers)
+    if variant == "tf cached":
+        fn, args, compile_with = T.cached_loop_transformer, (x, layers_), jb.jit
+    else:
+        fn, args, compile_with = T.scan_transformer, (x, T.stack_layers(layers_)), jax.jit
+    vg = jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)
+    t0 = time.perf_counter()
+    jax.make_jaxpr(vg)(*args)
+    t1 = time.perf_counter()
+    compile_with(vg).lower(*args).compile()
+    return {"trace": t1 - t0, "total": time.perf_counter() - t1}
+
+
 def run_point(variant: str, layers: int) -> dict:
+    if variant in TF_VARIANTS:
+        return run_transformer_point(variant, layers)
     import jax
     import jax.numpy as jnp
     import optax
@@ -131,6 +159,26 @@ def spawn(variant: str, layers: int) -> dict:
     return json.loads(line[0][7:])
 
 
+def _transformer_section(med, depths, verdict) -> str:
+    from _report import table
+
+    lo, hi = depths[0], depths[-1]
+    r = {m: med["tf cached", hi][m] / med["tf cached", lo][m] for m in ("trace", "total")}
+    worst = max(med["tf cached", n]["total"] / med["tf hand scan", n]["total"] for n in depths)
+    rows = [[n, *(f"{med[v, n][m]:.2f}" for v in TF_VARIANTS for m in ("trace", "total")),
+             f"{med['tf cached', n]['total'] / med['tf hand scan', n]['total']:.2f}"] for n in depths]
+    return ("\nThe pre-LN transformer of `compile_scaling --section reroll` (value_and_grad "
+            "w.r.t. input and weights, no optimizer), its for-loop with the layer in `jb.layer` "
+            "(`programs.transformer.cached_loop_transformer`) under `jb.jit` vs the hand scan "
+            "under `jax.jit`; seconds:\n\n"
+            + table(["layers", "jb.layer trace", "jb.layer total", "hand scan trace",
+                     "hand scan total", "jb.layer / hand scan"], rows)
+            + f"\n\n- total {hi} / {lo} layers = {r['total']:.2f} (target <= 1.3): "
+            f"{verdict(r['total'] <= 1.3)}\n- tracing {hi} / {lo} layers = {r['trace']:.2f} "
+            f"(target <= 2): {verdict(r['trace'] <= 2)}\n- jb.layer / hand scan, worst depth = "
+            f"{worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="depths 2 and 4, one repeat, no file")
@@ -144,10 +192,9 @@ def main() -> None:
     runs: dict = {}
     for _ in range(repeat):
         for n in depths:
-            for v in VARIANTS + ("unrolled",):
+            for v in VARIANTS + ("unrolled",) + TF_VARIANTS:
                 runs.setdefault((v, n), []).append(spawn(v, n))
-    med = {k: {m: statistics.median(r[m] for r in rs) for m in ("trace", "total", "step")}
-           for k, rs in runs.items()}
+    med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in runs.items()}
     slow = {n: med["cached", n]["step"] / med["unrolled", n]["step"] for n in depths}
     rows = [[n, *(f"{med[v, n][m]:.2f}" for v in VARIANTS for m in ("trace", "total")),
              f"{med['cached', n]['total'] / med['hand scan', n]['total']:.2f}"] for n in depths]
@@ -172,7 +219,8 @@ def main() -> None:
                     [[n, *(f"{1e3 * med[v, n]['step']:.1f}" for v in ("cached", "unrolled", "hand scan")),
                       f"{slow[n]:.2f}"] for n in depths])
             + f"\n\n- rolled / unrolled runtime, worst depth = {max(slow.values()):.2f} "
-            f"(target <= 1.10): {verdict(max(slow.values()) <= 1.10)}\n")
+            f"(target <= 1.10): {verdict(max(slow.values()) <= 1.10)}\n"
+            + _transformer_section(med, depths, verdict))
     print(body)
     if not a.quick:
         write_section("trace-once", "Trace each distinct layer once (GPT training step)", body)

@@ -85,3 +85,49 @@ def test_dropout_state_advances_as_without_the_cache():
     assert not jnp.allclose(a1, a2)            # the RNG counter moved between calls
     assert_close(a1, b1, scale=jnp.abs(b1) + 1)
     assert_close(a2, b2, scale=jnp.abs(b2) + 1)
+
+
+def test_the_cached_transformer_program_matches_its_plain_loop_rolled():
+    from jaxbackend.programs import transformer as T
+
+    x, layers = T.init_transformer(jax.random.key(0), 6)
+    vg = lambda model: jax.value_and_grad(model, argnums=(0, 1), has_aux=True)  # noqa: E731
+    closed = jax.make_jaxpr(vg(T.cached_loop_transformer))(x, layers)
+    calls = _calls(closed)
+    assert len(calls) == 12 and len({id(_jax.call_body(e)) for e in calls}) <= 4
+    f = jb.jit(vg(T.cached_loop_transformer))
+    report = f.trace_passes(x, layers)
+    assert "reroll.blocks_rolled: 12" in str(report)   # forward and backward, all 6 layers
+    assert_close(f(x, layers), jax.jit(vg(T.loop_transformer))(x, layers),
+                 scale=abs_scale(vg(T.loop_transformer), x, layers))
+
+
+def test_a_layer_that_branches_on_its_index_is_not_merged_with_the_others():
+    def make(i):
+        @jb.layer
+        def block(h, w):
+            out = _block(h, w)
+            return out * 0.5 if i == 3 else out   # the Python of layer 3 differs
+
+        return block
+
+    blocks = [make(i) for i in range(8)]
+
+    def loss(ws, x):
+        for blk, w in zip(blocks, ws):
+            x = blk(x, w)
+        return jnp.sum(x ** 2)
+
+    def plain(ws, x):
+        for i, w in enumerate(ws):
+            x = _block(x, w) * (0.5 if i == 3 else 1.0)
+        return jnp.sum(x ** 2)
+
+    ws, x = _weights(8), jax.random.normal(jax.random.key(1), (4, 8))
+    f = jb.jit(jax.value_and_grad(loss), reroll=2)
+    report = str(f.trace_passes(ws, x))
+    # layers 4..7 (and 0..2) roll, forward and backward; layer 3 stays its own call
+    rolled = int(report.split("reroll.blocks_rolled: ")[1].split(",")[0])
+    assert 0 < rolled <= 2 * 7
+    assert_close(f(ws, x), jax.value_and_grad(plain)(ws, x),
+                 scale=abs_scale(jax.value_and_grad(plain), ws, x))

@@ -6,7 +6,8 @@ depth (XLA then compiles every copy). `scan_transformer` is the same model
 written by hand with `jax.lax.scan` over the weights stacked on a leading
 layer axis (`stack_layers`), which keeps one copy of the layer in the jaxpr.
 They share weights and agree to float reassociation; the `reroll` pass turns
-the first into the second automatically.
+the first into the second automatically. `cached_loop_transformer` is the
+for-loop with the layer wrapped in `jb.layer` (traced once, not per layer).
 
 Sizes default to B=2, S=16, D=64, 4 heads, MLP 256 with gelu.
 Per layer: LayerNorm -> causal multi-head attention -> residual add ->
@@ -17,10 +18,13 @@ LayerNorm -> gelu MLP -> residual add. Plain jnp only. Both functions return
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxbackend._layer import layer
 
 # sorted, so a layer dict flattens in this order (jax sorts dict keys)
 PARAM_NAMES = ("b1", "b2", "ln1_b", "ln1_g", "ln2_b", "ln2_g", "w1", "w2", "wk", "wo", "wq", "wv")
@@ -83,6 +87,21 @@ def loop_transformer(x, layers, heads: int = 4):
     """The Python-for-loop model (unrolled in the jaxpr): (loss, out)."""
     for p in layers:
         x = transformer_layer(x, p, heads)
+    return x.sum(), x
+
+
+@functools.cache
+def _cached_layer(heads: int):
+    return layer(functools.partial(transformer_layer, heads=heads))
+
+
+def cached_loop_transformer(x, layers, heads: int = 4):
+    """`loop_transformer` with the layer a `jb.layer` call: the for-loop
+    traces one layer and binds the same `jit` equation per layer (which
+    `reroll` rolls into `scan`): (loss, out)."""
+    block = _cached_layer(heads)
+    for p in layers:
+        x = block(x, p)
     return x.sum(), x
 
 
