@@ -669,3 +669,28 @@ def source_line(eqn) -> str | None:
 
     frame = source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
     return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+
+
+# --- passes.group_heads: jnp.tile's primitive ------------------------------------
+# JAX 0.10: `jnp.tile` binds a `tile` primitive whose param "reps" is one
+# repeat count per operand axis (out axis a = reps[a] copies of the operand,
+# copy index major).
+
+def tile_reps(eqn) -> tuple:
+    """The per-axis repeat counts of a `tile` equation."""
+    return tuple(int(r) for r in eqn.params["reps"])
+
+
+# --- explain: every user frame of an equation ------------------------------------
+# JAX 0.10: `source_info_util.user_frames(traceback)` yields Frame records
+# (file_name, function_name, start_line, ...) innermost first, lazily, with
+# JAX's own and the stdlib's frames left out.
+
+def user_frames(eqn):
+    """(file path, line, function) of each frame outside JAX and the stdlib
+    that was on the stack when `eqn` was traced, innermost first (lazily)."""
+    from jax._src import source_info_util
+
+    tb = getattr(eqn.source_info, "traceback", None)
+    return ((f.file_name, f.start_line, f.function_name)
+            for f in source_info_util.user_frames(tb))

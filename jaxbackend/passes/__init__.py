@@ -19,6 +19,7 @@ from jaxbackend.passes._rewrite import (
 from jaxbackend.passes.cse import cse as cse
 from jaxbackend.passes.dce import dce as dce
 from jaxbackend.passes.fuse_projections import fuse_projections as fuse_projections
+from jaxbackend.passes.group_heads import group_heads as group_heads
 from jaxbackend.passes.hoist_broadcast import hoist_broadcast as hoist_broadcast
 from jaxbackend.passes.inline import inline as inline
 from jaxbackend.passes.inline import inline_calls as inline_calls

@@ -16,10 +16,14 @@ Order (`DEFAULT_PIPELINE`) and why:
                    names survive for the passes and the sharding search.
 2. `fuse_projections`  restore batch-keeping contractions (names where known).
 3. `hoist_broadcast`   move work above broadcasts (XSA expand form).
-4. `cse`           AD repeats work; earlier rewrites can create duplicates.
-5. `dce`           drop what fusion, hoisting and cse left dead.
+4. `group_heads`   contract against un-repeated K/V heads (GQA written
+                   with `jnp.repeat`), forward and AD's group sums. After
+                   hoisting, which moves casts on a repeated K/V above the
+                   repeat so the repeat feeds the contraction directly.
+5. `cse`           AD repeats work; earlier rewrites can create duplicates.
+6. `dce`           drop what fusion, hoisting, grouping and cse left dead.
    (the sharding search reads the jaxpr at this point: names still there.)
-6. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
+7. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
                    jaxpr with no custom primitive.
 
 Adding a pass is one line: `PASSES["name"] = fn` (fn: ClosedJaxpr ->
@@ -52,6 +56,7 @@ from jaxbackend.passes import _rewrite
 from jaxbackend.passes.cse import cse
 from jaxbackend.passes.dce import dce
 from jaxbackend.passes.fuse_projections import fuse_projections
+from jaxbackend.passes.group_heads import group_heads
 from jaxbackend.passes.hoist_broadcast import hoist_broadcast
 from jaxbackend.passes.inline import inline, inline_calls
 from jaxbackend.passes.reroll import reroll as _reroll
@@ -76,13 +81,15 @@ PASSES: dict[str, Callable] = {
     "inline_calls": inline_calls,
     "fuse_projections": fuse_projections,
     "hoist_broadcast": hoist_broadcast,
+    "group_heads": group_heads,
     "cse": cse,
     "dce": dce,
     "inline": inline,
 }
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "cse", "dce", "inline")
+    "reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "group_heads", "cse", "dce",
+    "inline")
 
 
 @dataclasses.dataclass
