@@ -217,6 +217,9 @@ class EqnBuilder:
         self.new_consts: list = []
         self.dropped_constvars: set = set()    # of the old jaxpr, left out by `transform`
         self.changed = False
+        # while a rule runs: the source of the equation it replaces, given to
+        # what it emits (so `explain` ties new equations to the user's line)
+        self.source_info = None
 
     def append(self, eqn) -> None:
         """Keep `eqn` as it is."""
@@ -249,7 +252,8 @@ class EqnBuilder:
                 nv = _jax.DropVar(v.aval) if _jax.is_dropvar(v) else _jax.new_var(v.aval)
                 env[v] = nv
                 outvars.append(nv)
-            self.eqns.append(eqn.replace(invars=_renamed(eqn.invars, env), outvars=outvars))
+            src = {} if self.source_info is None else {"source_info": self.source_info}
+            self.eqns.append(eqn.replace(invars=_renamed(eqn.invars, env), outvars=outvars, **src))
         self.changed = True
         return _renamed(jaxpr.outvars, env)
 
@@ -317,11 +321,14 @@ class Rewriter(EqnBuilder):
             out = None
             if rule is not None:
                 n_before = len(self.eqns)
+                self.source_info = eqn.source_info
                 try:
                     out = rule(self, eqn)
                 except RewriteDeclined:
                     self.producer.truncate(n_before)   # what it emitted is dead: drop it
                     out = None
+                finally:
+                    self.source_info = None
             if out is None:
                 self.eqns.append(eqn)
                 continue

@@ -14,8 +14,23 @@ saves the multiplies (or divides) at the broadcast size.
     add / sub / add_any                        -> sink into both operands
     broadcast_in_dim with `axes` all real      -> sink into its operand
     reshape that only adds/drops size-1 dims   -> sink through it
+    reshape that splits axes (a merge's transpose) -> sink into its operand,
+                                                  in the split space
     reduce_sum over other axes                 -> commute, sink inside
     anything else                              -> leaf: reduce_sum here
+
+The split space. AD transposes a merging reshape (`jnp.repeat`'s
+broadcast + reshape) into a reshape that splits kv * g into (kv, g) and a
+`reduce_sum` over g. The walk then continues on the merged operand, each
+atom read as its split view `reshape(atom, split)` (`_plan`'s `groups`: one
+run of split sizes per axis of the atom), so a factor counts as constant
+along g when it is itself a merge with the same runs (`_broadcast.merged`)
+or a broadcast without data along the merged axis; sums, negations,
+broadcasts, size-1 reshapes and reduce_sums carry the runs to their
+operands; a reshape whose operand has the split shape ends the split view;
+a leaf emits the reshape to the split view, then its sum. Row-major split
+and merge are bijections of indices, so a node in the split space sums the
+same terms as in the merged one.
 
 A plan is a tree of the NamedTuples below (`Leaf`, `Neg`, `Add`, `Bcast`,
 `Reshape`, `Reduce`, `Factor`). It returns None unless at least one factor
@@ -39,9 +54,9 @@ When this preserves `jax.jit`'s results. The conditions, each checked in
     sum(t) overflows, so sum(t) * 0.25 is inf).
 * the factor c is known at compile time, never a runtime value: a Literal,
   a closed-over const of the top-level jaxpr (`hoist_broadcast` passes
-  them), or computed from those by at most `CONST_EQNS` equations of
-  `CONST_PRIMITIVES` (exact or correctly rounded ops, evaluated here one by
-  one; each value at most `CONST_SIZE` elements). Every element of c must
+  them), or computed from those by at most `_const_value.CONST_EQNS`
+  equations of `CONST_PRIMITIVES` (exact or correctly rounded ops,
+  evaluated one by one; each value at most `CONST_SIZE` elements). Every element of c must
   be finite and normal (|c| >= the dtype's smallest normal number: never 0
   and never subnormal, which flush-to-zero hardware reads as 0). Why: with
   t = [1, 0], sum(t * inf) is nan but inf * sum(t) is inf; sum(t / 0) is
@@ -67,38 +82,38 @@ Under these conditions the results of jax.jit are preserved as follows:
   -sum(x), which does the same.
 * shape, dtype, weak type: unchanged (`hoist_broadcast` declines a
   replacement whose type differs).
+
+`plan(..., runtime=True)` (`hoist_broadcast(runtime_factors=True)`) also
+takes factors whose value is not known at compile time, as if they were
+finite and normal; nothing checks that. A factor known at compile time must
+still pass `safe_factor`. Where a runtime factor is inf, 0 or subnormal the
+results may differ from jax.jit's as described above (nan vs inf).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
 from jaxbackend.passes import _broadcast
+# Re-exported: the compile-time factor values `hoist_broadcast` hands to `plan`.
+from jaxbackend.passes._const_value import constant_value as constant_value
+from jaxbackend.passes._const_value import safe_factor
 
 MAX_NODES = 48
 _ADD = frozenset({"add", "add_any", "sub"})
 SINK_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-# Compile-time factors: ops whose eager result is the compiled program's
-# (structural, or one correctly rounded IEEE operation), in a small budget.
-CONST_PRIMITIVES = frozenset("""
-broadcast_in_dim reshape squeeze expand_dims transpose convert_element_type iota
-neg abs add sub mul div max min
-""".split())
-CONST_EQNS = 16
-CONST_SIZE = 1 << 16
-
 
 # -- plan nodes ---------------------------------------------------------------
 
-class Leaf(NamedTuple):          # reduce_sum(atom, axes) stays here
+class Leaf(NamedTuple):          # reduce_sum(reshape(atom, split), axes) stays here
     atom: Any
     axes: tuple
+    split: tuple                 # atom's shape, or the split view being summed
 
 
 class Neg(NamedTuple):           # -sum(child)
@@ -136,49 +151,6 @@ class Factor(NamedTuple):        # sum(child) * f or / f, f the factor squeezed
     var_first: bool              # was the summed operand the left one?
 
 
-def constant_value(producer, atom, consts):
-    """numpy value of `atom` when the jaxpr computes it from literals and
-    `consts` (constvar -> value) alone, within the budget of the module
-    doc; None when it depends on a runtime value or is out of budget."""
-    return _constant(producer, atom, consts, [CONST_EQNS])
-
-
-def _constant(producer, atom, consts, budget):
-    if atom.aval.size > CONST_SIZE:
-        return None
-    lit = _jax.literal_value(atom)
-    if lit is not None:
-        return lit
-    if atom in consts:
-        value = consts[atom]
-        # a const captured from an enclosing trace is a tracer: not known here
-        return None if _jax.is_tracer(value) else np.asarray(value)
-    eqn = producer(atom)
-    budget[0] -= 1
-    if (eqn is None or budget[0] < 0 or eqn.primitive.name not in CONST_PRIMITIVES
-            or eqn.effects or len(eqn.outvars) != 1):
-        return None
-    args = []
-    for v in eqn.invars:
-        x = _constant(producer, v, consts, budget)
-        if x is None:
-            return None
-        args.append(x)
-    # jb.jit runs the passes inside jax.jit's trace: evaluate eagerly anyway
-    with jax.ensure_compile_time_eval():
-        (out,) = _jax.bind_eqn(eqn, args)
-    return np.asarray(out)
-
-
-def safe_factor(value, dtype) -> bool:
-    """Every element finite and normal (module doc: never inf, nan, 0 or
-    subnormal), for a factor of float dtype `dtype`."""
-    if value is None:
-        return False
-    mag = np.abs(np.asarray(value, dtype=dtype))
-    return bool(np.all(np.isfinite(mag)) and np.all(mag >= np.finfo(dtype).tiny))
-
-
 def _size1_reshape_map(in_shape, out_shape):
     """Axis map in->out for a reshape that only inserts/removes size-1 dims."""
     big_in = [i for i, n in enumerate(in_shape) if n != 1]
@@ -188,12 +160,19 @@ def _size1_reshape_map(in_shape, out_shape):
     return dict(zip(big_out, big_in))
 
 
-def plan(producer, atom, axes, value=None):
+def plan(producer, atom, axes, value=None, *, runtime=False):
     """The sinking of `reduce_sum(atom, axes)`, or None. `value(atom)` is
     the compile-time value of an atom or None (`constant_value`); without
-    it no factor is known, so nothing sinks."""
+    it no factor is known, so nothing sinks. `runtime=True` also takes
+    factors whose value is unknown (module doc: the caller's promise)."""
+    value = value or (lambda a: None)
+
+    def accept(atom, dtype):
+        v = value(atom)
+        return runtime if v is None else safe_factor(v, dtype)
+
     budget = [MAX_NODES]
-    node = _plan(producer, atom, tuple(sorted(axes)), budget, value or (lambda a: None))
+    node = _plan(producer, atom, tuple(sorted(axes)), budget, accept, _identity(atom.aval.shape))
     return node if not isinstance(node, Leaf) and _useful(node) else None
 
 
@@ -215,8 +194,25 @@ def _fits(op_shape, shape) -> bool:
                               and all(n in (1, m) for n, m in zip(op_shape, shape)))
 
 
-def _plan(producer, atom, axes, budget, value):
-    leaf = Leaf(atom, axes)
+def _identity(shape) -> tuple:
+    return tuple((n,) for n in shape)
+
+
+def _factor_source(producer, fac, groups, shape):
+    """The broadcast behind factor `fac`, in the split space of `groups`."""
+    if any(len(g) > 1 for g in groups):
+        m = _broadcast.merged(producer, fac)
+        if m is not None and _broadcast.same_groups(m.groups, groups, fac.aval.shape, shape):
+            return _broadcast.Source(m.x, m.dims, m.split)
+    src = _broadcast.source(producer, fac)
+    return _broadcast.split_source(src, groups, shape)
+
+
+def _plan(producer, atom, axes, budget, accept, groups):
+    """Plan `reduce_sum(reshape(atom, split), axes)`, split = the sizes of
+    `groups` (one run per axis of atom; runs of one: atom itself)."""
+    shape, ashape = _broadcast.flat_groups(groups), tuple(atom.aval.shape)
+    leaf = Leaf(atom, axes, shape)
     budget[0] -= 1
     dtype = atom.aval.dtype
     if budget[0] <= 0 or not axes or dtype not in SINK_DTYPES:
@@ -224,60 +220,103 @@ def _plan(producer, atom, axes, budget, value):
     eqn = producer(atom)
     if eqn is None:
         return leaf
-    name, shape = eqn.primitive.name, tuple(atom.aval.shape)
+    name = eqn.primitive.name
     ones = tuple(a for a in axes if shape[a] == 1)
     if ones:  # summing a size-1 axis is a reshape: sum the others, then drop these
         big = tuple(a for a in axes if shape[a] != 1)
         out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-        return Reshape(_plan(producer, atom, big, budget, value), out_shape)
+        return Reshape(_plan(producer, atom, big, budget, accept, groups), out_shape)
     if (name in ("mul", "div") and not _jax.has_out_dtype(eqn)
-            and all(_fits(v.aval.shape, shape) and v.aval.dtype == dtype for v in eqn.invars)):
+            and all(_fits(v.aval.shape, ashape) and v.aval.dtype == dtype for v in eqn.invars)):
         a, b = eqn.invars
         sides = [(a, b)] if name == "div" else [(a, b), (b, a)]
         for var, fac in sides:
-            if var.aval.shape != shape:
+            if var.aval.shape != ashape:
                 continue
-            c = ((fac, None) if fac.aval.shape == ()
-                 else _broadcast.const_along(producer, fac, axes))
+            if fac.aval.shape == ():
+                c, fshape = (fac, None), ()
+            else:
+                src = _factor_source(producer, fac, groups, ashape)
+                c = None if src is None else _broadcast.constant_along(src, axes)
+                fshape = None if src is None else src.shape
             # only a compile-time, finite, normal factor (module doc)
-            if c is not None and safe_factor(value(c[0]), dtype):
-                return Factor(name, _plan(producer, var, axes, budget, value), c,
-                              tuple(fac.aval.shape), axes, var is eqn.invars[0])
+            if c is not None and accept(c[0], dtype):
+                return Factor(name, _plan(producer, var, axes, budget, accept, groups), c,
+                              fshape, axes, var is eqn.invars[0])
         return leaf
     if name == "neg":
-        return Neg(_plan(producer, eqn.invars[0], axes, budget, value))
-    if name in _ADD and all(v.aval.shape == shape for v in eqn.invars):
-        return Add(name, _plan(producer, eqn.invars[0], axes, budget, value),
-                   _plan(producer, eqn.invars[1], axes, budget, value))
+        return Neg(_plan(producer, eqn.invars[0], axes, budget, accept, groups))
+    if name in _ADD and all(v.aval.shape == ashape for v in eqn.invars):
+        return Add(name, _plan(producer, eqn.invars[0], axes, budget, accept, groups),
+                   _plan(producer, eqn.invars[1], axes, budget, accept, groups))
     if name == "broadcast_in_dim" and len(eqn.invars) == 1:
-        x = eqn.invars[0]
-        dims = _jax.broadcast_dimensions(eqn)
-        inv = {d: j for j, d in enumerate(dims)}
-        if all(a in inv and x.aval.shape[inv[a]] == shape[a] for a in axes):
-            x_axes = tuple(sorted(inv[a] for a in axes))
-            out_axes = [a for a in range(len(shape)) if a not in axes]
-            out_shape = tuple(shape[a] for a in out_axes)
-            new_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
-            return Bcast(_plan(producer, x, x_axes, budget, value), out_shape, new_dims)
-        return leaf
+        return _plan_broadcast(producer, eqn, axes, budget, accept, groups) or leaf
     if name == "reshape" and not _jax.reshape_transposes(eqn) and len(eqn.invars) == 1:
-        x = eqn.invars[0]
-        m = _size1_reshape_map(tuple(x.aval.shape), shape)
-        if m is not None and all(a in m or shape[a] == 1 for a in axes):
-            x_axes = tuple(sorted(m[a] for a in axes if a in m))
-            out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-            return Reshape(_plan(producer, x, x_axes, budget, value), out_shape)
-        return leaf
+        return _plan_reshape(producer, eqn, axes, budget, accept, groups) or leaf
     if name == "reduce_sum":
         x = eqn.invars[0]
         other = tuple(int(a) for a in _jax.reduce_axes(eqn))
-        kept = [a for a in range(len(x.aval.shape)) if a not in other]
-        x_axes = tuple(sorted(kept[a] for a in axes))
+        kept = iter(groups)   # x's axes: the kept ones split as atom's, the summed whole
+        xg = tuple((n,) if a in other else next(kept) for a, n in enumerate(x.aval.shape))
+        starts = _broadcast.group_starts(xg)
+        other = tuple(starts[a] for a in other)
+        kept_s = [a for a in range(len(_broadcast.flat_groups(xg))) if a not in other]
+        x_axes = tuple(sorted(kept_s[a] for a in axes))
         # after summing x_axes first, the `other` axes shift down
-        rest = [a for a in range(len(x.aval.shape)) if a not in x_axes]
-        return Reduce(_plan(producer, x, x_axes, budget, value),
+        rest = [a for a in range(len(kept_s) + len(other)) if a not in x_axes]
+        return Reduce(_plan(producer, x, x_axes, budget, accept, xg),
                       tuple(rest.index(a) for a in other))
     return leaf
+
+
+def _plan_broadcast(producer, eqn, axes, budget, accept, groups):
+    """Sink through `broadcast_in_dim` when every summed axis comes from a
+    same-sized axis of its operand (else None)."""
+    x, shape = eqn.invars[0], _broadcast.flat_groups(groups)
+    xshape, ashape = tuple(x.aval.shape), tuple(eqn.outvars[0].aval.shape)
+    odims = _jax.broadcast_dimensions(eqn)
+    # x's axis j splits like atom axis odims[j] (a stretched size-1 axis: into 1s)
+    xg = tuple(groups[d] if xshape[j] == ashape[d] else (1,) * len(groups[d])
+               for j, d in enumerate(odims))
+    starts = _broadcast.group_starts(groups)
+    dims = tuple(starts[d] + k for d in odims for k in range(len(groups[d])))
+    xs = _broadcast.flat_groups(xg)
+    inv = {d: j for j, d in enumerate(dims)}
+    if not all(a in inv and xs[inv[a]] == shape[a] for a in axes):
+        return None
+    x_axes = tuple(sorted(inv[a] for a in axes))
+    out_axes = [a for a in range(len(shape)) if a not in axes]
+    out_shape = tuple(shape[a] for a in out_axes)
+    new_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
+    return Bcast(_plan(producer, x, x_axes, budget, accept, xg), out_shape, new_dims)
+
+
+def _plan_reshape(producer, eqn, axes, budget, accept, groups):
+    """Sink through a reshape that only adds/drops size-1 axes, that undoes
+    the split being summed (its operand has the split shape), or that splits
+    merged axes (AD's transpose of a merge: the sum enters the split space of
+    its operand). Else None."""
+    x, shape = eqn.invars[0], _broadcast.flat_groups(groups)
+    xshape, ashape = tuple(x.aval.shape), tuple(eqn.outvars[0].aval.shape)
+    out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
+    m = _size1_reshape_map(xshape, ashape)
+    if m is not None:
+        xg = [(1,)] * len(xshape)
+        for a, j in m.items():
+            xg[j] = groups[a]
+        s_at, x_at = _broadcast.group_starts(groups), _broadcast.group_starts(xg)
+        smap = {s_at[a] + k: x_at[j] + k for a, j in m.items() for k in range(len(groups[a]))}
+        if not all(a in smap for a in axes):
+            return None
+        x_axes = tuple(sorted(smap[a] for a in axes))
+        return Reshape(_plan(producer, x, x_axes, budget, accept, tuple(xg)), out_shape)
+    if xshape == shape:   # x is the split view itself
+        return _plan(producer, x, axes, budget, accept, _identity(xshape))
+    if all(len(g) == 1 for g in groups):
+        xg = _broadcast.merge_groups(ashape, xshape)
+        if xg is not None:
+            return _plan(producer, x, axes, budget, accept, xg)
+    return None
 
 
 def _op(ctx, name, fn, args, *key):
@@ -289,11 +328,13 @@ def _op(ctx, name, fn, args, *key):
 def emit(ctx, node):
     """Build the plan `node` with `ctx`'s builder; returns its atom."""
     if isinstance(node, Leaf):
-        atom, axes = node
+        atom, axes, split = node
+        if split != tuple(atom.aval.shape):
+            atom = _op(ctx, "reshape", lambda x: lax.reshape(x, split), [atom], split)
         if not axes:
             return atom
-        shape = tuple(n for a, n in enumerate(atom.aval.shape) if a not in axes)
-        if all(atom.aval.shape[a] == 1 for a in axes):
+        shape = tuple(n for a, n in enumerate(split) if a not in axes)
+        if all(split[a] == 1 for a in axes):
             return _op(ctx, "reshape", lambda x: lax.reshape(x, shape), [atom], shape)
         return _op(ctx, "sum", lambda x: lax.reduce_sum(x, axes), [atom], axes)
     if isinstance(node, Neg):

@@ -6,32 +6,55 @@ friends are visible as plain equations; otherwise any ClosedJaxpr.
 A broadcast `b = broadcast_in_dim(x, S, dims)` *creates* the axes of S that
 do not come from a same-sized axis of x (new axes, and size-1 axes of x
 stretched). Work done on b along created axes is repeated: the GQA "expand"
-form of an XSA projection normalises every KV head once per query head. The
-rules (one walk, each sees earlier rewrites, so whole chains move up):
+form of an XSA projection normalises every KV head once per query head.
+GQA code usually also merges the copies into the head dim: `jnp.repeat(v,
+g, axis)` and `broadcast_to(v[..., None, :], ...).reshape(..., kv * g, d)`
+are a broadcast then a reshape merging the created axis with its neighbour
+(`jnp.tile` and `concatenate([v] * g)` merge them the other way round).
+The rules see through such a *merge* (`_broadcast.merged`: a contiguous
+row-major merge of a broadcast, `tile`, or a self-concatenation) by
+working in its split shape, then merging again. The rules (one walk, each
+sees earlier rewrites, so whole chains move up):
 
 * elementwise op (unary, binary, `select_n`; scalar literals allowed) whose
   operands are all broadcasts (or scalars) sharing created axes C: compute
   the op on the operands with C removed, then broadcast the result to S;
+  through a merge: operands that are merges with the same runs (or scalars,
+  or broadcasts without data along a merged axis), sharing a created split
+  axis: the op on the sources, broadcast to the split shape, merged;
 * reduction over axes that are all real (non-created) axes of its broadcast
-  operand: reduce x, then broadcast to the reduced shape;
+  operand: reduce x, then broadcast to the reduced shape; through a merge:
+  only when every split axis of every reduced axis is real;
 * broadcast of a broadcast: one broadcast (so the chain stays visible);
+  broadcast of a merge that keeps the merged axes, and a reshape of a merge
+  that merges its split shape again: one broadcast, then one merge;
 * `reduce_sum` over axes along which a compile-time factor of its (linear)
   operand is constant: the sum moves inside the product (`_sink_sum`), for
   float32/float64 and finite, normal factors only. AD transposes a
   broadcast into such a sum (cotangent * coefficient, summed over the
-  created axes); runtime coefficients, like the normalised values in the
-  backward of the XSA expand form, are not sunk (they may be inf or 0).
+  created axes), and a merge into a split reshape and such a sum, which
+  `_sink_sum` follows into the split space; runtime coefficients, like the
+  normalised values in the backward of the XSA expand form, are not sunk
+  (they may be inf or 0) unless `runtime_factors=True` (below).
 
 Invariant established: no elementwise op or reduction above reads only
-broadcasts that share a created axis of size > 1 (`remaining(closed) == 0`);
-sum sinking is opportunistic (a bounded look-back of `_sink_sum.MAX_NODES`
-producers per sum) and is not part of the counted invariant.
+broadcasts, or merges of broadcasts, that share a created axis of size > 1
+(`remaining(closed) == 0`); sum sinking is opportunistic (a bounded
+look-back of `_sink_sum.MAX_NODES` producers per sum) and is not part of
+the counted invariant.
 
 Leaves alone: ops with any operand that is not a broadcast or a scalar
 (e.g. `y * v_hat` where y is real data), reductions that touch a created
-axis (they would need a multiply), broadcasts with dynamic shapes, ops and
-reductions with an explicit output sharding (it names the broadcast
-shape, not the smaller one), and everything else.
+axis (they would need a multiply), among them a reduction over a merged
+axis that holds a created split axis (a sum over the kv * g query heads adds
+copies together), reshapes that split an axis or whose boundaries cut
+through one (e.g. (2, 3, 4) -> (3, 8)), reshapes that transpose,
+operands merged with different runs (`repeat`'s (kv, g) next to `tile`'s
+(g, kv)), a merged operand next to one with data along the merged axis,
+`jnp.repeat` with `total_repeat_length` (a gather), broadcasts with
+dynamic shapes, ops, reductions and reshapes with an explicit output
+sharding (it names the broadcast shape, not the smaller one), and
+everything else.
 
 When it preserves `jax.jit`'s results, rule by rule:
 
@@ -48,9 +71,21 @@ When it preserves `jax.jit`'s results, rule by rule:
   infinities occur, in any order); at the edge of the range a reordered
   float sum or product can overflow or underflow differently, as in any
   XLA reduction.
-* broadcast of a broadcast: exact (the same copies).
+* broadcast of a broadcast, of a merge, reshape of a merge: exact (the same
+  copies, in the same row-major order).
+* through a merge, each of the rules above: as without it. A row-major
+  merge is a bijection between split and merged indices, so the split-space
+  op reads, element by element, the same operand values.
 * sum sinking: the conditions and what they guarantee are in `_sink_sum`
   (float32/float64 only; compile-time factors that are finite and normal).
+  `runtime_factors=True` drops "compile-time": a factor whose value is
+  unknown is taken as if it were finite and normal, which is not checked.
+  Results then equal jax.jit's up to rounding wherever every runtime factor
+  is finite and normal, and may differ where one is inf, 0 or subnormal
+  (e.g. a zero-norm row of v: sum(t) / 0 is inf where sum(t / 0) is nan,
+  0 * sum(t) is nan where sum(0 * t) is 0 when sum(t) overflows). Off by
+  default; for callers who know their factors are finite (`jb.jit(f,
+  passes=[...])` with a wrapper).
 
 Checked for every rule: a replacement whose shape, dtype or weak type
 differs from the equation it replaces is declined (`_rewrite.same_types`).
@@ -62,6 +97,8 @@ this module emits.
 from __future__ import annotations
 
 import functools
+
+from jax import lax
 
 from jaxbackend import _jax
 from jaxbackend.passes import _broadcast, _rewrite, _sink_sum
@@ -76,28 +113,29 @@ def _elementwise_rule(ctx, eqn):
     if m is None:
         return None
     prim, kw = eqn.primitive, _jax.eqn_params(eqn)
-    keep, shape, layout = m.keep, m.shape, m.layout
+    keep, shape, layout, merged = m.keep, m.shape, m.layout, m.merged
 
     def fn(*xs):
         ops = [x if lay is None else _broadcast.squeeze_to(x, lay, keep, shape)
                for x, lay in zip(xs, layout)]
-        return _broadcast.broadcast(prim.bind(*ops, **kw), shape, keep)
+        return _merge(_broadcast.broadcast(prim.bind(*ops, **kw), shape, keep), merged)
 
     pk = _jax.params_key(kw)
-    key = None if pk is None else ("hoist", prim, pk, layout, shape)
+    key = None if pk is None else ("hoist", prim, pk, layout, shape, merged)
     out = _rewrite.same_types(eqn, ctx.emit(fn, m.args, key))
     ctx.count(f"hoisted {prim.name}")
     return out
 
 
-def _reduction_rule(ctx, eqn, consts=None):
+def _reduction_rule(ctx, eqn, consts=None, runtime=False):
     if _jax.has_sharding_annotation(eqn):
         return None
     out = _hoist_reduction(ctx, eqn)
     if out is None and eqn.primitive.name == "reduce_sum":
         consts = {} if consts is None else consts
         node = _sink_sum.plan(ctx.producer, eqn.invars[0], _jax.reduce_axes(eqn),
-                              lambda a: _sink_sum.constant_value(ctx.producer, a, consts))
+                              lambda a: _sink_sum.constant_value(ctx.producer, a, consts),
+                              runtime=runtime)
         if node is not None:
             out = _rewrite.same_types(eqn, [_sink_sum.emit(ctx, node)])
             ctx.count("sum sunk past broadcast factors")
@@ -109,21 +147,46 @@ def _hoist_reduction(ctx, eqn):
     if m is None:
         return None
     prim, kw = eqn.primitive, _jax.reduce_params(eqn, m.x_axes)
-    out_shape, out_dims = m.out_shape, m.out_dims
+    out_shape, out_dims, merged = m.out_shape, m.out_dims, m.merged
 
     def fn(x):
-        return _broadcast.broadcast(prim.bind(x, **kw), out_shape, out_dims)
+        return _merge(_broadcast.broadcast(prim.bind(x, **kw), out_shape, out_dims), merged)
 
-    key = ("hoist-reduce", prim, _jax.params_key(kw), m.source.dims, m.source.shape)
+    key = ("hoist-reduce", prim, _jax.params_key(kw), m.source.dims, m.source.shape, merged)
     out = _rewrite.same_types(eqn, ctx.emit(fn, [m.x], key))
     ctx.count(f"hoisted {prim.name}")
     return out
+
+
+def _merge(x, shape):
+    """x reshaped to the merged `shape` (None: x is the result as it is)."""
+    return x if shape is None or tuple(x.shape) == tuple(shape) else lax.reshape(x, shape)
+
+
+def _remerge(ctx, eqn, m, what):
+    """`eqn` replaced by one broadcast of m.x into m.split, then the merge."""
+    x, dims, split, out = m.x, m.dims, m.split, tuple(eqn.outvars[0].aval.shape)
+
+    def fn(v):
+        return _merge(_broadcast.broadcast(v, split, dims), out)
+
+    res = _rewrite.same_types(eqn, ctx.emit(fn, [x], ("remerge", dims, split, out)))
+    ctx.count(what)
+    return res
+
+
+def _reshape_rule(ctx, eqn):
+    m = _broadcast.merged_reshape(ctx.producer, eqn)
+    return None if m is None else _remerge(ctx, eqn, m, "merges composed")
 
 
 def _compose_rule(ctx, eqn):
     if len(eqn.invars) != 1:
         return None
     inner = ctx.producer(eqn.invars[0])
+    if inner is not None and inner.primitive.name in ("reshape", "tile", "concatenate"):
+        m = _broadcast.merged_broadcast(ctx.producer, eqn)
+        return None if m is None else _remerge(ctx, eqn, m, "broadcast of a merge composed")
     if inner is None or inner.primitive.name != "broadcast_in_dim" or len(inner.invars) != 1:
         return None
     outer_dims = _jax.broadcast_dimensions(eqn)
@@ -136,15 +199,17 @@ def _compose_rule(ctx, eqn):
 
 RULES = {**{p: _elementwise_rule for p in ELEMENTWISE},
          **{p: _reduction_rule for p in REDUCTIONS},
-         "broadcast_in_dim": _compose_rule}
+         "broadcast_in_dim": _compose_rule, "reshape": _reshape_rule}
 
 
-def hoist_broadcast(closed):
-    """Move elementwise work and reductions above broadcasts (module doc)."""
+def hoist_broadcast(closed, *, runtime_factors: bool = False):
+    """Move elementwise work and reductions above broadcasts (module doc).
+    `runtime_factors=True` also sinks sums past runtime factors: results
+    then match jax.jit's only where those are finite and normal (module doc)."""
     # Sum sinking may factor out values computed from the program's consts.
     jaxpr, values = _jax.jaxpr_parts(closed)
     consts = dict(zip(jaxpr.constvars, values))
-    reduction = functools.partial(_reduction_rule, consts=consts)
+    reduction = functools.partial(_reduction_rule, consts=consts, runtime=runtime_factors)
     return _rewrite.rewrite(closed, {**RULES, **{p: reduction for p in REDUCTIONS}})
 
 

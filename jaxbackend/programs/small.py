@@ -11,6 +11,11 @@
   times per KV head), or normalise once and broadcast (`unsqueeze`).
   `hoist_broadcast` turns the first into the second. v: (batch, time, kv,
   hd); y: (batch, time, kv, group, hd). Arguments: `xsa_args()`.
+* `xsa_reshape` / `xsa_repeat`: the expand form as GQA code writes it, the
+  group merged into the head dim (query head = kv_i * group + g_i): by
+  `broadcast_to(...).reshape(...)` (the PyTorch report's
+  `.expand(...).reshape(...)`) or by `jnp.repeat(v, group, axis=2)`.
+  y: (batch, time, kv * group, hd). Arguments: `xsa_merged_args()`.
 * `attention_scan`: layers as a `scan` whose body holds a nested `jit`, a
   named einsum, a `cond` and a `while` loop: every kind of sub-jaxpr a pass
   must recurse into. Arguments: `scan_args()`.
@@ -71,6 +76,30 @@ def xsa_unsqueeze(v, y):
 
 def xsa_args():
     return (rand(3, 2, 4, 2, 8), rand(4, 2, 4, 2, 3, 8))
+
+
+def _xsa_merged(vb, y):
+    vn = vb / jnp.linalg.norm(vb, axis=-1, keepdims=True)
+    return y - jnp.sum(y * vn, axis=-1, keepdims=True) * vn
+
+
+def xsa_reshape(v, y):
+    """XSA, expand form with the group merged into the head dim by a
+    reshape: (b, t, kv, d) -> (b, t, kv, group, d) -> (b, t, kv * group, d)."""
+    b, t, kv, d = v.shape
+    group = y.shape[2] // kv
+    vb = jnp.broadcast_to(v[:, :, :, None, :], (b, t, kv, group, d)).reshape(b, t, kv * group, d)
+    return _xsa_merged(vb, y)
+
+
+def xsa_repeat(v, y):
+    """XSA, expand form by `jnp.repeat` (same head layout as `xsa_reshape`)."""
+    return _xsa_merged(jnp.repeat(v, y.shape[2] // v.shape[2], axis=2), y)
+
+
+def xsa_merged_args():
+    v, y = xsa_args()
+    return v, y.reshape(*y.shape[:2], -1, y.shape[-1])
 
 
 def xsa_loss(v, y):
