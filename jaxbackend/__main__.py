@@ -11,7 +11,8 @@ import sys
 
 COMMANDS = {
     "demo": ("jaxbackend._demo", "named multi-layer attention: jaxpr with named einsums, checked against jnp"),
-    "explain": ("jaxbackend._explain", "run the pass pipeline on script.py:function (its example_inputs()) and print the report"),
+    "explain": ("jaxbackend._explain", "run the pass pipeline on script.py:function (its example_inputs()) and print the report, "
+                "with the source lines each pass changed; --corpus DIR: which passes fire on a corpus"),
     "train": ("jaxbackend.train._cli", "train a char-level GPT on the stdlib source: checkpoints, --resume, loss PNG, sample"),
 }
 
