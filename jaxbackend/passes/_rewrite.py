@@ -252,7 +252,7 @@ class EqnBuilder:
                 nv = _jax.DropVar(v.aval) if _jax.is_dropvar(v) else _jax.new_var(v.aval)
                 env[v] = nv
                 outvars.append(nv)
-            src = {} if self.source_info is None else {"source_info": self.source_info}
+            src: dict = {} if self.source_info is None else {"source_info": self.source_info}
             self.eqns.append(eqn.replace(invars=_renamed(eqn.invars, env), outvars=outvars, **src))
         self.changed = True
         return _renamed(jaxpr.outvars, env)

@@ -1,9 +1,10 @@
 """`jaxbackend.train`: the main job. Data (`stdlib` source as chars, or your
 text), the loop (AdamW, jit, eval, sampling; the GPT or your own model and
-loss), atomic checkpoints, loss plots and the `python -m jaxbackend train`
-command (`_cli.main`)."""
+loss), orbax checkpoints (per shard, asynchronous, the newest N kept), loss
+plots and the `python -m jaxbackend train` command (`_cli.main`)."""
 
 from jaxbackend.train._checkpoint import CheckpointError as CheckpointError
+from jaxbackend.train._checkpoint import Checkpointer as Checkpointer
 from jaxbackend.train._checkpoint import load as load_checkpoint
 from jaxbackend.train._checkpoint import save as save_checkpoint
 from jaxbackend.train._data import as_ids as as_ids
@@ -18,6 +19,6 @@ from jaxbackend.train._loop import TrainConfig as TrainConfig
 from jaxbackend.train._loop import train as train
 from jaxbackend.train._plots import loss_curve as loss_curve
 
-__all__ = ["CheckpointError", "TrainConfig", "as_ids", "decode", "encode", "get_batch",
+__all__ = ["CheckpointError", "Checkpointer", "TrainConfig", "as_ids", "decode", "encode", "get_batch",
            "load_checkpoint", "load_corpus", "load_text", "loss_curve", "save_checkpoint", "split",
            "train", "unigram_baseline"]

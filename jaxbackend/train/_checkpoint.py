@@ -1,91 +1,124 @@
-"""Atomic checkpoints: a kill at any instant leaves either the previous
-checkpoint or the new one, never a torn file.
+"""Checkpoints with orbax-checkpoint: per-shard, multi-process, atomic,
+asynchronous, the last N kept.
 
-Write: serialize to memory, write `<path>.tmp-<pid>`, flush + fsync, then
-`os.replace` onto `<path>` (atomic on POSIX) and fsync the folder so the
-rename itself is durable. Read: the file starts with a magic line and the
-SHA-256 of the payload, so truncation or bit rot is detected and reported
-as `CheckpointError` (a one-line `ValueError`), never a half-loaded state.
+A checkpoint folder (`OUT/checkpoints`) holds one orbax step folder per
+saved step, `<step>/` with three items:
 
-The payload is an `.npz` of the state's leaves in pytree order plus a JSON
-`meta` (step, config, anything the caller adds), each leaf's dtype name and
-its path (`jax.tree_util.keystr`, e.g. `['params']['head']['kernel']`).
-Loading restores into a template pytree with the same structure (built from
-the same config), and checks every leaf's path, shape and dtype against it;
-errors name the path. Typed PRNG key arrays (as in `nnx.state(model)`) are
-stored as their `jax.random.key_data` with dtype name `key:<impl>` and
-rebuilt with `jax.random.wrap_key_data(..., impl=<impl>)`.
+* `state`: the arrays (`args.StandardSave`); every process writes the
+  shards it holds and reads back the shards its target sharding asks for,
+  so nothing is gathered to one host and a state saved on 8 devices
+  restores onto 4 (or onto a 2-process mesh) with the caller's shardings;
+* `meta`: the caller's JSON (step, config, histories);
+* `arrays`: one record per leaf, in pytree order: its path
+  (`jax.tree_util.keystr`), shape, dtype name and a 32-bit checksum.
 
-A process killed between writing `<path>.tmp-<pid>` and the rename leaves
-that file behind; `remove_stale_tmp` (run when training starts) deletes the
-ones whose process is gone.
+Atomic: orbax writes `<step>.orbax-checkpoint-tmp...` and renames it to
+`<step>` when every item is written, so a kill at any instant leaves the
+earlier steps intact; `remove_stale_tmp` deletes what a killed save left.
+`Checkpointer.save` returns once the arrays are copied off the devices (the
+files are written by a background thread) and waits for the previous save
+first; `close` waits for the last one. Orbax deletes all but the `keep`
+newest steps after each save.
+
+Loading checks the records against the template before reading any array
+(errors name the path, shape and dtype), then recomputes each checksum on
+the restored arrays, so truncated or flipped bytes are a `CheckpointError`
+(a one-line `ValueError`), never a half-right state. The checksum is
+`sum(bits[i] * (2654435761 * i + 1)) mod 2**32` over the leaf's bit
+pattern: the weights are odd, so any single flipped bit changes it, and
+positional, so swapped elements do too. It is computed on the devices as
+a sharded reduction (four bytes per leaf leave them).
+
+Typed PRNG key leaves (as in `nnx.state(model)`) are saved as their
+`jax.random.key_data` with dtype name `key:<impl>` and rebuilt with
+`jax.random.wrap_key_data`. `read_meta` and `steps` read only JSON and
+folder names (no JAX client), so the CLI can read a checkpoint before
+`--devices` decides how many devices JAX sees.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import gc
 import json
-import os
 import pathlib
+import shutil
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
-MAGIC = b"JAXBACKEND-CKPT-1\n"
 _KEY = "key:"   # dtype-name prefix of a typed PRNG key leaf: key:<impl>
+_TMP = ".orbax-checkpoint-tmp"   # orbax's suffix of a step folder still being written
 
 
 class CheckpointError(ValueError):
     """A missing, corrupt or mismatched checkpoint."""
 
 
-def save(path, state, meta: dict) -> pathlib.Path:
-    """Atomically write `state` (a pytree of arrays) and `meta` (JSON-able)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+class Checkpointer:
+    """Saves steps into `directory` in the background, keeping the `keep`
+    newest. Use as a context manager (or call `close`): leaving it waits
+    until the last save is on disk. Every process of a multi-process run
+    calls `save` with the same step."""
+
+    def __init__(self, directory, keep: int = 3):
+        self.directory = pathlib.Path(directory).absolute()
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=opts)
+
+    def save(self, step: int, state, meta: dict) -> pathlib.Path:
+        """Starts writing `state` (a pytree of arrays) and `meta` (JSON-able)
+        as `step`; returns the step's folder (final once `wait` returns)."""
+        arrays, records = _to_savable(state)
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta),
+            arrays=ocp.args.JsonSave(records)), force=True)
+        return self.directory / str(step)
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def save(directory, state, meta: dict, step: int | None = None, keep: int = 3) -> pathlib.Path:
+    """Writes one step (default `meta["step"]`, else 0) and waits for it."""
+    with Checkpointer(directory, keep) as ckpt:
+        return ckpt.save(meta.get("step", 0) if step is None else step, state, meta)
+
+
+def _to_savable(state) -> tuple:
+    """(leaves with keys as key data, the leaves' records)."""
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    paths = [jax.tree_util.keystr(k) for k, _ in flat]
-    leaves, names = [], []
-    for where, x in zip(paths, (x for _, x in flat)):
+    leaves, records = [], []
+    for path, x in flat:
+        where = jax.tree_util.keystr(path)
         if _is_key(x):
-            leaves.append(np.asarray(jax.device_get(jax.random.key_data(x))))
-            names.append(_KEY + str(jax.random.key_impl(x)))
-            continue
-        try:
-            leaves.append(np.asarray(jax.device_get(x)))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"state leaf {where} ({type(x).__name__}) is not an array "
-                                  f"({e}); save only arrays and numbers.") from None
-        names.append(leaves[-1].dtype.name)
-    buf = io.BytesIO()
-    # npz stores bfloat16 as raw 2-byte voids: keep dtype names alongside.
-    arrays: dict = dict(meta=_json_bytes(meta), dtypes=_json_bytes(names), paths=_json_bytes(paths))
-    arrays.update({f"leaf_{i}": x for i, x in enumerate(leaves)})
-    np.savez(buf, **arrays)
-    payload = buf.getvalue()
-    digest = hashlib.sha256(payload).hexdigest().encode() + b"\n"
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + digest + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
-
-
-def _json_bytes(obj) -> np.ndarray:
-    return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+            name, x = _KEY + str(jax.random.key_impl(x)), jax.random.key_data(x)
+        else:
+            try:  # numbers and numpy arrays: onto the default device
+                x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+            except TypeError:
+                raise CheckpointError(f"state leaf {where} ({type(x).__name__}) is not an array; "
+                                      f"save only arrays and numbers.") from None
+            name = x.dtype.name
+        leaves.append(x)
+        records.append(dict(path=where, shape=list(x.shape), dtype=name))
+    for record, sum_ in zip(records, _checksums(leaves)):
+        record["checksum"] = sum_
+    return leaves, records
 
 
 def _is_key(x) -> bool:
@@ -93,110 +126,178 @@ def _is_key(x) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def remove_stale_tmp(path) -> list:
-    """Delete `<path>.tmp-<pid>` files left by a process that died while
-    saving (the pid is not alive); returns the removed paths. A live pid's
-    file is kept: that process may be writing it now."""
-    path = pathlib.Path(path)
-    removed = []
-    for tmp in path.parent.glob(f"{path.name}.tmp-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
-            continue
-        tmp.unlink(missing_ok=True)
-        removed.append(tmp)
-    return removed
+@jax.jit
+def _checksum(x):
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}.get(size, jnp.uint32))
+    bits = bits.astype(jnp.uint32)  # 8-byte dtypes gained a trailing dim of 2 words
+    # The flat index from per-dim iotas: a reshape would regather a sharded leaf.
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    for d, n in enumerate(bits.shape):
+        index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
+    return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
-def _alive(pid: int) -> bool:
+def _checksums(leaves) -> list:
+    """The leaves' checksums. One compiled call per leaf, not one program
+    for all: leaves repeat a few shapes (a parameter and its two Adam
+    moments), so this compiles a few small programs where one program of
+    all leaves took seconds to compile. Every process calls in the same
+    order (each call is a collective over the leaf's devices)."""
+    sums = [_checksum(x) for x in leaves]
+    return [int(np.asarray(c.addressable_data(0))) for c in sums]
+
+
+def steps(directory) -> list:
+    """The finished steps in `directory`, oldest first (reads only names)."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _step_dir(directory, step: int | None) -> pathlib.Path:
+    directory = pathlib.Path(directory)
+    have = steps(directory)
+    if not have:
+        raise CheckpointError(f"no checkpoint in {directory}; train without --resume first, or "
+                              f"point --out at the folder that holds checkpoints/.")
+    if step is None:
+        return directory / str(have[-1])
+    if step not in have:
+        raise CheckpointError(f"{directory} has no checkpoint of step {step} (it has steps "
+                              f"{', '.join(map(str, have))}); pass one of those.")
+    return directory / str(step)
+
+
+def _json(step_dir: pathlib.Path, item: str):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        return json.loads((step_dir / item / "metadata").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {step_dir} is corrupt ({item}: "
+                              f"{type(e).__name__}); delete it and train again.") from None
 
 
-def read_meta(path) -> dict:
-    """The checkpoint's JSON metadata (reads no arrays: creates no JAX client)."""
-    with np.load(io.BytesIO(_payload(path))) as z:
-        return json.loads(bytes(z["meta"]).decode())
+def read_meta(directory, step: int | None = None) -> dict:
+    """The JSON metadata of `step` (default: the newest); reads no arrays."""
+    return _json(_step_dir(directory, step), "meta")
 
 
-def _read(path):
-    """(meta, leaves) in pytree order, key arrays rebuilt."""
-    return _read_all(path)[:2]
+def remove_stale_tmp(directory) -> list:
+    """Deletes step folders a killed save left half-written; returns them.
+    Call it before saving into `directory` (a live save's folder goes too)."""
+    directory = pathlib.Path(directory)
+    stale = sorted(p for p in directory.glob(f"*{_TMP}*")) if directory.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return stale
 
 
-def _read_all(path):
-    with np.load(io.BytesIO(_payload(path))) as z:
-        meta = json.loads(bytes(z["meta"]).decode())
-        names = json.loads(bytes(z["dtypes"]).decode())
-        leaves = [_leaf(z[f"leaf_{i}"], n) for i, n in enumerate(names)]
-        # Checkpoints written before paths were recorded: None.
-        paths = json.loads(bytes(z["paths"]).decode()) if "paths" in z.files else None
-    return meta, leaves, paths
-
-
-def _payload(path) -> bytes:
-    """The checked npz bytes of the checkpoint at `path`."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}; train without --resume first, or point "
-                              f"--out at the folder that holds checkpoint.ckpt.")
-    blob = path.read_bytes()
-    head = len(MAGIC) + 65
-    if not blob.startswith(MAGIC) or len(blob) < head:
-        raise CheckpointError(f"{path} is not a jaxbackend checkpoint (bad header); delete it "
-                              f"and train again.")
-    digest, payload = blob[len(MAGIC): head - 1], blob[head:]
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise CheckpointError(f"checkpoint {path} is corrupt (checksum mismatch); delete it and "
-                              f"train again.")
-    return payload
-
-
-def _leaf(raw: np.ndarray, name: str):
-    if name.startswith(_KEY):
-        return jax.random.wrap_key_data(jnp.asarray(raw), impl=name[len(_KEY):])
-    return raw.view(_dtype(name))
-
-
-def _dtype(name):
-    import ml_dtypes  # ships with jaxlib; knows bfloat16 and friends
-
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
-def load(path, template):
-    """(state, meta): leaves read from `path`, arranged like `template`."""
-    meta, leaves, paths = _read_all(path)
-    flat, tree = jax.tree_util.tree_flatten_with_path(template)
-    want = [jax.tree_util.keystr(k) for k, _ in flat]
-    if paths is not None and paths != want:
-        missing = [p for p in want if p not in set(paths)]
-        extra = [p for p in paths if p not in set(want)]
-        if missing:
-            what = f"lacks {missing[0]}"
-        elif extra:
-            what = f"holds {extra[0]}, which the model lacks"
-        else:
-            what = "holds the model's arrays in another order"
-        raise CheckpointError(f"checkpoint {pathlib.Path(path)} {what} ({len(paths)} arrays saved, "
-                              f"{len(want)} expected); resume with the same model flags.")
-    if len(want) != len(leaves):
-        raise CheckpointError(f"checkpoint {pathlib.Path(path)} holds {len(leaves)} arrays but this "
-                              f"model has {len(want)}; resume with the same model flags.")
-    for where, (_, w), got in zip(want, flat, leaves):
-        if tuple(np.shape(w)) != tuple(got.shape) or _dtype_name(w) != _dtype_name(got):
-            raise CheckpointError(
-                f"checkpoint array {where} has shape {tuple(got.shape)} {_dtype_name(got)} but "
-                f"the model expects {tuple(np.shape(w))} {_dtype_name(w)}; resume with the same "
-                f"model flags.")
+def load(directory, template=None, step: int | None = None):
+    """(state, meta) of `step` (default: the newest), arranged like
+    `template` and placed on its leaves' shardings (arrays or
+    `jax.ShapeDtypeStruct`s with `sharding=`); without a template, a dict
+    path -> array on the default device."""
+    step_dir = _step_dir(directory, step)
+    records, meta = _json(step_dir, "arrays"), _json(step_dir, "meta")
+    if template is None:
+        flat, tree = [(r["path"], _abstract_of(r)) for r in records], None
+    else:
+        paths, tree = jax.tree_util.tree_flatten_with_path(template)
+        flat = [(jax.tree_util.keystr(p), x) for p, x in paths]
+        _check_records(step_dir, records, flat)
+    got = _restore(step_dir, [_target(x) for _, x in flat])
+    for r, x, sum_ in zip(records, got, _checksums(got)):
+        if sum_ != r["checksum"]:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt (array {r['path']} fails its "
+                                  f"checksum); delete it and train again.")
+    leaves = [jax.random.wrap_key_data(x, impl=r["dtype"][len(_KEY):])
+              if r["dtype"].startswith(_KEY) else x for r, x in zip(records, got)]
+    if tree is None:
+        return {r["path"]: x for r, x in zip(records, leaves)}, meta
     return jax.tree.unflatten(tree, leaves), meta
 
 
+def _restore(step_dir: pathlib.Path, targets: list) -> list:
+    """The arrays of `step_dir` placed as `targets` say; unreadable files are
+    a `CheckpointError` naming the first failure."""
+    _drop_failed_reads()  # before: a failing read may report while restore still runs
+    try:
+        return list(ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+            step_dir.absolute(), args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(targets)))["state"])
+    except Exception as e:  # orbax and tensorstore raise many types for unreadable files
+        # The first sentence: tensorstore appends pages of details.
+        first = (str(e).strip().split(". ")[0].splitlines() or [type(e).__name__])[0]
+        reason = textwrap.shorten(first, 120, placeholder=" ...")
+    gc.collect()  # the suspended reads report now, not at some later line of output
+    raise CheckpointError(f"checkpoint {step_dir} is corrupt ({reason}); delete it and train "
+                          f"again.")
+
+
+_FAILED_READ = "_read_array_index_and_device_put"   # orbax's per-shard read coroutine
+_dropping: list = []
+
+
+def _drop_failed_reads() -> None:
+    """The reads of a failed restore's other shards are left suspended: each
+    prints "Exception ignored in <coroutine ...>" to stderr when it is
+    collected, and a read finishing late, "Event loop is closed" (its loop
+    is gone), on any thread, at any time. A one-line error must stay one
+    line: once a process restores, drop exactly those two reports (all
+    others reach the hook that was installed before)."""
+    if _dropping:
+        return
+    previous = sys.unraisablehook
+
+    def hook(report) -> None:
+        late = (isinstance(report.exc_value, RuntimeError)
+                and str(report.exc_value) == "Event loop is closed")
+        if not late and getattr(report.object, "__qualname__", None) != _FAILED_READ:
+            previous(report)
+    _dropping.append(hook)
+    sys.unraisablehook = hook
+
+
+def _abstract_of(record):
+    name = record["dtype"]
+    dtype = jnp.uint32 if name.startswith(_KEY) else jnp.dtype(name)
+    return jax.ShapeDtypeStruct(tuple(record["shape"]), dtype)
+
+
+def _target(x):
+    """What orbax restores a leaf as: shape, dtype and sharding of key data
+    for a key, else of the leaf (an unplaced leaf: the default device)."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    elif not hasattr(x, "shape"):  # a number
+        x = jnp.asarray(x)
+    sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _check_records(step_dir, records, flat) -> None:
+    saved, want = [r["path"] for r in records], [p for p, _ in flat]
+    if saved != want:
+        saved_set, want_set = set(saved), set(want)
+        missing = [p for p in want if p not in saved_set]
+        extra = [p for p in saved if p not in want_set]
+        what = (f"lacks {missing[0]}" if missing else
+                f"holds {extra[0]}, which the model lacks" if extra else
+                "holds the model's arrays in another order")
+        raise CheckpointError(f"checkpoint {step_dir} {what} ({len(saved)} arrays saved, "
+                              f"{len(want)} expected); resume with the same model flags.")
+    for r, (where, x) in zip(records, flat):
+        shape, name = tuple(np.shape(jax.random.key_data(x) if _is_key(x) else x)), _dtype_name(x)
+        if tuple(r["shape"]) != shape or r["dtype"] != name:
+            raise CheckpointError(
+                f"checkpoint array {where} has shape {tuple(r['shape'])} {r['dtype']} but the "
+                f"model expects {shape} {name}; resume with the same model flags.")
+
+
 def _dtype_name(x) -> str:
-    # Key arrays have no numpy dtype; their jax dtype names the impl (key<fry>).
-    return str(x.dtype) if _is_key(x) else np.dtype(x.dtype).name
+    if _is_key(x):
+        return _KEY + str(jax.random.key_impl(x))
+    return jnp.dtype(x.dtype).name if hasattr(x, "dtype") else jnp.asarray(x).dtype.name

@@ -12,6 +12,10 @@ JAX creates its CPU client, so `main` sets
 JAX for devices (importing jax is fine; the client is created lazily; reading
 a checkpoint's metadata creates none).
 
+Checkpoints go to `OUT/checkpoints/<step>` (orbax; see `_checkpoint`):
+every `--ckpt-every` steps and at the end, written in the background while
+training goes on; `--keep N` keeps the newest N steps.
+
 A fresh run refuses a `--out` that already holds a run (a checkpoint or a
 loss plot) unless `--overwrite`. SIGTERM, or a first Ctrl-C (SIGINT), ends
 the run after the current step with a checkpoint, one line on stderr and
@@ -29,6 +33,7 @@ import argparse
 import math
 import os
 import pathlib
+import shutil
 import signal
 import sys
 
@@ -38,9 +43,9 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
 OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None,
-                      dtype="float32", accum=1, clip=1.0)
+                      dtype="float32", accum=1, clip=1.0, keep=3)
 GPT_FLAGS = ("layers", "embd", "heads", "dtype")   # set the built-in GPT only
-CKPT_NAME = "checkpoint.ckpt"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
+CKPT_NAME = "checkpoints"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
 RUN_FILES = (CKPT_NAME, "loss.png", "metrics.jsonl")   # what a run leaves in --out
 # Settings a resume must keep: they decide the numbers (see `TrainConfig.model_key`).
 FIXED_ON_RESUME = ("batch", "seq", "layers", "embd", "heads", "lr", "seed", "max_chars",
@@ -124,12 +129,14 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for checkpoint and loss.png")
     p.add_argument("--ckpt-every", type=_nonneg_int,
                    help="checkpoint every N steps, 0 = only at the end")
+    p.add_argument("--keep", type=pi, help="checkpoints kept (the newest; older are deleted)")
     p.add_argument("--eval-every", type=_nonneg_int,
                    help="validation every N steps, 0 = at the end")
     p.add_argument("--sample-chars", type=_nonneg_int,
                    help="chars to generate at the end, 0 = none")
     p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/checkpoint.ckpt with the flags it was written with")
+                   help="continue from the newest checkpoint in OUT/checkpoints with the flags it "
+                        "was written with")
     p.add_argument("--overwrite", action="store_true",
                    help="start a fresh run even if OUT already holds one (deletes it)")
     p.add_argument("--devices", type=pi,
@@ -178,7 +185,11 @@ def parse(argv):
         raise _UsageError(f"--seq {args.seq} must be at least 2")
     # After the flag checks: a bad flag is reported as such even where --out
     # already holds a run (the README's main job leaves one in runs/train).
-    held = [n for n in RUN_FILES if (run / n).exists()]
+    from jaxbackend.train import _checkpoint  # numpy, jax, orbax imports only; no JAX client
+
+    # A checkpoint folder holding only a killed first save's temp folder is no run.
+    held = [n for n in RUN_FILES
+            if (_checkpoint.steps(run / n) if n == CKPT_NAME else (run / n).exists())]
     if not args.resume and held and not args.overwrite:
         raise _UsageError(f"--out {run} already holds a run ({', '.join(held)}); pass --resume "
                           f"to continue it, --overwrite to replace it, or another --out")
@@ -188,7 +199,7 @@ def parse(argv):
 def _take_checkpoint_settings(args, given: set, ckpt: pathlib.Path) -> None:
     """Fill every setting not given on the command line from the checkpoint;
     a given flag that decides the numbers must equal the recorded value."""
-    from jaxbackend.train import _checkpoint  # numpy + jax import only; no JAX client
+    from jaxbackend.train import _checkpoint  # numpy, jax, orbax imports only; no JAX client
 
     meta = _checkpoint.read_meta(ckpt)
     saved = {**meta.get("config", {}), **meta.get("settings", {})}
@@ -228,7 +239,8 @@ def main(argv=None) -> int:
 
     if args.overwrite:
         for name in RUN_FILES:
-            (pathlib.Path(args.out) / name).unlink(missing_ok=True)
+            path = pathlib.Path(args.out) / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     cfg = _loop.TrainConfig(**{f: getattr(args, f) for f in _loop.TrainConfig.__dataclass_fields__
                                if hasattr(args, f)})
     # SIGTERM (kill, a scheduler's preemption) and a first Ctrl-C only raise

@@ -14,7 +14,12 @@ and a fingerprint of the data, and a resume must see the same.
 State is functional: the model is split once into (graphdef, params,
 rest) and `params` is a plain dict (`nnx.to_pure_dict`), so the step is a
 pure function `(params, opt_state, data, step) -> (params, opt_state,
-loss)` compiled with `jaxbackend.jit`, and a checkpoint is just `{"params", "opt_state"}` plus JSON metadata.
+loss)` compiled with `jaxbackend.jit`, and a checkpoint is just
+`{"params", "opt_state"}` plus JSON metadata, saved with orbax into
+`OUT/checkpoints/<step>` (see `_checkpoint`): in the background while the
+next steps run, the newest `keep` steps kept. A resume restores each
+array onto the sharding the fresh state has, so it may run on another
+mesh than the one that saved.
 Batches are drawn inside the step from `(seed, step)` (see `_data`), so
 `--resume` replays the exact data order. A checkpoint records every setting
 (`settings`) so a resume can reuse them; the ones that decide the numbers
@@ -36,7 +41,9 @@ Parameter shardings follow from the dims each parameter records.
 `train` runs five stages over one `_Run` record: `_setup` (checks, corpus,
 model, optimizer), `_shard` (devices > 1), `_resume` (optimizer state, from
 the checkpoint on --resume), `_loop` (steps, evaluations, checkpoints) and
-`_finish` (final loss, sample, plot, the result dict).
+`_finish` (final loss, sample, plot, the result dict). Progress is a
+`rich` bar on a terminal and plain lines elsewhere (`_progress`); every
+step and evaluation also goes to `OUT/metrics.jsonl`.
 """
 
 from __future__ import annotations
@@ -45,7 +52,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import sys
 import time
 from collections.abc import Callable
 
@@ -62,8 +68,9 @@ from jaxbackend.jit import jit
 from jaxbackend import _scripts
 from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
 from jaxbackend.train import _checkpoint, _data, _plots
+from jaxbackend.train._progress import Progress
 
-CKPT_NAME = "checkpoint.ckpt"
+CKPT_NAME = "checkpoints"   # the orbax folder: one sub-folder per kept step
 METRICS_NAME = "metrics.jsonl"   # one JSON object per step and per evaluation
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 JIT_NAME = "jaxbackend.jit"   # what `train`'s result and log report as the compiler
@@ -103,6 +110,7 @@ class TrainConfig:
     dtype: str = "float32"     # the GPT's compute dtype; parameters stay float32
     accum: int = 1             # micro-batches of `batch` averaged per optimizer step
     clip: float = 1.0          # gradient global-norm clip, 0 = none
+    keep: int = 3              # checkpoints kept: the newest `keep` steps
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
@@ -125,43 +133,6 @@ class TrainConfig:
         """Every field a resume may reuse (not where the run lives or how it prints)."""
         skip = ("out", "resume", "quiet")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
-
-
-class Progress:
-    """One-line progress bar (step, loss, tokens/s) on a tty, else a line
-    every ~5% of the run."""
-
-    def __init__(self, total: int, quiet: bool = False, stream=None):
-        self.total, self.quiet, self.stream = total, quiet, stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.every = max(1, total // 20)
-        self.open = False   # a tty bar is on screen without its newline
-
-    def end_line(self) -> None:
-        """End the bar's line, so a message printed next starts a line of its own."""
-        if self.open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.open = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.end_line()
-
-    def update(self, step: int, loss: float, tok_s: float) -> None:
-        if self.quiet:
-            return
-        done = int(30 * step / self.total)
-        line = (f"step {step:>5}/{self.total} [{'#' * done}{'.' * (30 - done)}] "
-                f"loss {loss:.4f}  {tok_s / 1e3:.1f}k tok/s")
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
-            self.stream.flush()
-            self.open = step != self.total
-        elif step % self.every == 0 or step == self.total:
-            print(line, file=self.stream, flush=True)
 
 
 def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
@@ -223,18 +194,14 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None, *, model=None, l
     the stdlib source). `on_step(step, history, val_history)` is called after
     every step (a notebook redraws its live loss plot from it). `stop()`,
     polled after every step, True: save a checkpoint and raise `Stopped`."""
-    bar = Progress(cfg.steps, cfg.quiet)
-
-    def say(msg):  # on a terminal the bar shares the screen: end its line first
-        bar.end_line()
-        log(msg)
-
-    run = _setup(cfg, say, model, loss, data)
+    run = _setup(cfg, log, model, loss, data)
     if cfg.devices > 1:
         _shard(run)
     _resume(run)
-    with bar:  # an error or Ctrl-C mid-bar still ends its line
-        elapsed, t_compile = _loop(run, bar, on_step, stop)
+    with Progress(cfg.steps, run.start, cfg.quiet) as bar, \
+            _checkpoint.Checkpointer(run.ckpt, cfg.keep) as saver:
+        # Leaving the block (done, stopped or failed) waits for the last save.
+        elapsed, t_compile = _loop(run, bar, saver, on_step, stop)
     return _finish(run, elapsed, t_compile)
 
 
@@ -242,6 +209,8 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     """Loads the data, builds the model, checks a resume can work (before
     anything compiles) and builds the optimizer."""
     ckpt = pathlib.Path(cfg.out) / CKPT_NAME
+    if cfg.keep < 1:
+        raise ValueError(f"keep={cfg.keep} would delete every checkpoint; keep at least 1.")
     for tmp in _checkpoint.remove_stale_tmp(ckpt):
         say(f"removed {tmp} (left by a run killed while saving)")
     if cfg.resume:  # fail fast on a missing or unreadable checkpoint
@@ -327,9 +296,12 @@ def _resume(run: _Run) -> None:
     (placed like the fresh state)."""
     run.opt_state = run.tx.init(run.params)
     if run.cfg.resume:
-        (run.params, run.opt_state), meta = _load(run.ckpt, run.params, run.opt_state, run.cfg)
+        # Each process reads the shards the fresh state's shardings place on
+        # its devices: the mesh may differ from the one that saved.
+        state, meta = _checkpoint.load(run.ckpt, {"params": run.params, "opt_state": run.opt_state})
+        run.params, run.opt_state = state["params"], state["opt_state"]
         run.start, run.history, run.val_history = meta["step"], meta["history"], meta["val_history"]
-        run.say(f"resumed from {run.ckpt} at step {run.start}")
+        run.say(f"resumed from {run.ckpt / str(run.start)} at step {run.start}")
 
 
 def _step_fn(run: _Run):
@@ -357,7 +329,7 @@ def _step_fn(run: _Run):
     return jit(train_step, donate_argnums=(0, 1))
 
 
-def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
+def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, stop) -> tuple:
     """Steps from `run.start` to `cfg.steps`, evaluating and checkpointing on
     schedule; returns (elapsed seconds, seconds of the first step)."""
     cfg, say = run.cfg, run.say
@@ -397,11 +369,11 @@ def _loop(run: _Run, bar: Progress, on_step, stop) -> tuple:
             if done == cfg.steps:
                 run.val_history.append((done, run.evaluate()))
                 metrics(step=done, val_loss=run.val_history[-1][1])
-            _save(run, done)
+            _save(run, saver, done)
         if on_step is not None:
             on_step(done, run.history, run.val_history)
         if stopping:
-            raise Stopped(done, run.ckpt)
+            raise Stopped(done, run.ckpt / str(done))
     return time.perf_counter() - t_start, t_compile
 
 
@@ -424,11 +396,13 @@ def _metrics_log(run: _Run) -> Callable:
     return log
 
 
-def _save(run: _Run, done: int) -> None:
+def _save(run: _Run, saver: _checkpoint.Checkpointer, done: int) -> None:
+    """Starts the save (after the previous one is on disk); the files are
+    written while the next steps run."""
     meta = dict(step=done, config=run.identity, settings=run.cfg.settings(),
                 history=run.history, val_history=run.val_history)
-    _checkpoint.save(run.ckpt, {"params": run.params, "opt_state": run.opt_state}, meta)
-    run.say(f"checkpoint step {done} -> {run.ckpt}")
+    where = saver.save(done, {"params": run.params, "opt_state": run.opt_state}, meta)
+    run.say(f"checkpoint step {done} -> {where}")
 
 
 def _finish(run: _Run, elapsed: float, t_compile) -> dict:
@@ -475,11 +449,3 @@ def _check_resumable(ckpt, identity: dict):
         raise _checkpoint.CheckpointError(
             f"steps={identity['steps']} is below the checkpoint's step {meta['step']}; resume with "
             f"steps >= {meta['step']} (more steps extend the run).")
-
-
-def _load(ckpt, params, opt_state, cfg):
-    state, meta = _checkpoint.load(ckpt, {"params": params, "opt_state": opt_state})
-    p, o = state["params"], state["opt_state"]
-    # Restore the placement (sharding) of the freshly initialised state.
-    place = lambda new, old: jax.device_put(new, old.sharding)  # noqa: E731
-    return (jax.tree.map(place, p, params), jax.tree.map(place, o, opt_state)), meta

@@ -40,9 +40,9 @@ def _env(cache=None):
     return env
 
 
-def _params(path):
-    _, leaves = _checkpoint._read(path)
-    return leaves
+def _params(folder):
+    arrays, _ = _checkpoint.load(folder)  # path -> array, on one device
+    return [np.asarray(arrays[k]) for k in sorted(arrays)]
 
 
 def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, jax_cache):
@@ -62,23 +62,28 @@ def test_kill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, jax_cac
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("checkpoint step 20"):
-            proc.send_signal(signal.SIGKILL)  # hard kill right after a checkpoint
+            # A hard kill while step 20 is being written in the background:
+            # step 20 if its save finished, else step 10, never a torn one.
+            proc.send_signal(signal.SIGKILL)
             break
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    killed_at = _checkpoint.read_meta(part / "checkpoint.ckpt")["step"]
-    assert 20 <= killed_at < 60
+    killed_at = _checkpoint.read_meta(part / "checkpoints")["step"]
+    assert killed_at in (10, 20)
 
     resumed = subprocess.run(_cmd(*TINY, *steps, "--out", str(part), "--resume"), env=_env(jax_cache),
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {part / 'checkpoint.ckpt'} at step {killed_at}" in resumed.stdout
-    a, b = _params(full / "checkpoint.ckpt"), _params(part / "checkpoint.ckpt")
+    assert f"resumed from {part / 'checkpoints' / str(killed_at)} at step {killed_at}" in \
+        resumed.stdout
+    a, b = _params(full / "checkpoints"), _params(part / "checkpoints")
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
-    assert _checkpoint.read_meta(part / "checkpoint.ckpt")["history"] == \
-        _checkpoint.read_meta(full / "checkpoint.ckpt")["history"]
+    assert _checkpoint.read_meta(part / "checkpoints")["history"] == \
+        _checkpoint.read_meta(full / "checkpoints")["history"]
+    # The default --keep 3: the newest three of the six saves.
+    assert _checkpoint.steps(full / "checkpoints") == [40, 50, 60]
 
 
 @pytest.fixture(autouse=True)
@@ -107,10 +112,25 @@ def test_bad_arguments_one_line_exit_2(args, needle, capsys):
 
 def test_missing_and_corrupt_checkpoint_one_line_exit_2(tmp_path, capsys):
     code, err = _run_main(TINY + ["--out", str(tmp_path), "--resume"], capsys)
-    assert code == 2 and "no checkpoint at" in err and len(err.splitlines()) == 1
-    (tmp_path / "checkpoint.ckpt").write_bytes(_checkpoint.MAGIC + b"0" * 64 + b"\ntruncated")
+    assert code == 2 and "no checkpoint in" in err and len(err.splitlines()) == 1
+    meta = tmp_path / "checkpoints" / "3" / "meta"
+    meta.mkdir(parents=True)
+    (meta / "metadata").write_text('{"step": 3, "conf')  # a torn metadata file
     code, err = _run_main(TINY + ["--out", str(tmp_path), "--resume"], capsys)
-    assert code == 2 and "corrupt" in err and len(err.splitlines()) == 1
+    assert code == 2 and "is corrupt (meta: JSONDecodeError)" in err and len(err.splitlines()) == 1
+
+
+def test_corrupt_arrays_one_line_exit_2(tmp_path, capsys):
+    small = TINY + ["--eval-every", "0", "--sample-chars", "0", "--out", str(tmp_path)]
+    assert _cli.main(small + ["--steps", "2"]) == 0
+    step = tmp_path / "checkpoints" / "2"
+    files = [f for f in (step / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    for f in files:  # every data file cut short
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    capsys.readouterr()
+    code, err = _run_main(small + ["--steps", "3", "--resume"], capsys)
+    assert code == 2 and err.startswith(f"error: checkpoint {step} is corrupt (")
+    assert len(err.splitlines()) == 1, err
 
 
 def test_dims_not_dividing_the_mesh_one_line_exit_2(tmp_path, capsys):
@@ -123,7 +143,7 @@ def test_error_in_a_fresh_process_has_no_traceback(tmp_path):
     r = subprocess.run(_cmd(*TINY, "--out", str(tmp_path), "--resume"), env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().startswith("error: no checkpoint at")
+    assert r.stderr.strip().startswith("error: no checkpoint in")
 
 
 def test_devices_8_prints_the_searched_plan_and_trains(tmp_path, capsys):

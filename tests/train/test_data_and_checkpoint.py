@@ -1,7 +1,7 @@
-"""Corpus, batches and atomic checkpoints."""
+"""Corpus, batches and orbax checkpoints: round trip, every error message,
+a killed save, typed PRNG keys."""
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -35,58 +35,89 @@ def _state():
     return {"w": jnp.arange(6.0).reshape(2, 3), "n": [jnp.int32(3), jnp.ones(4, jnp.bfloat16)]}
 
 
+def _big_state():  # ['w'] large enough to be stored in a data file of its own
+    return {"w": jnp.arange(600.0).reshape(20, 30), "n": [jnp.int32(3), jnp.ones(4, jnp.bfloat16)]}
+
+
 def test_checkpoint_roundtrip(tmp_path):
-    path = _checkpoint.save(tmp_path / "c.ckpt", _state(), {"step": 5})
-    state, meta = _checkpoint.load(path, _state())
+    path = _checkpoint.save(tmp_path, _state(), {"step": 5})
+    assert path == tmp_path / "5"
+    state, meta = _checkpoint.load(tmp_path, _state())
     assert meta == {"step": 5}
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(_state())):
         assert a.dtype == b.dtype and np.array_equal(a, b)
-    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]  # no temp file left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["5"]  # no temp folder left behind
+    flat, _ = _checkpoint.load(tmp_path)  # no template: path -> array
+    assert sorted(flat) == ["['n'][0]", "['n'][1]", "['w']"]
+    assert flat["['n'][1]"].dtype == jnp.bfloat16
+
+
+def _data_file(step_dir):
+    """The largest file of the saved arrays (it holds the values of ['w'])."""
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    return max(files, key=lambda f: f.stat().st_size)
 
 
 def test_corrupt_truncated_missing_and_mismatched_checkpoints(tmp_path):
-    path = _checkpoint.save(tmp_path / "c.ckpt", _state(), {"step": 5})
-    blob = path.read_bytes()
-    path.write_bytes(blob[:-10])
-    with pytest.raises(_checkpoint.CheckpointError, match="corrupt"):
-        _checkpoint.load(path, _state())
-    path.write_bytes(blob[:-10] + bytes(b ^ 1 for b in blob[-10:]))
-    with pytest.raises(_checkpoint.CheckpointError, match="checksum"):
-        _checkpoint.load(path, _state())
-    path.write_bytes(b"junk")
-    with pytest.raises(_checkpoint.CheckpointError, match="not a jaxbackend checkpoint"):
-        _checkpoint.load(path, _state())
-    with pytest.raises(_checkpoint.CheckpointError, match="no checkpoint"):
-        _checkpoint.load(tmp_path / "missing.ckpt", _state())
-    good = _checkpoint.save(tmp_path / "d.ckpt", _state(), {"step": 1})
+    big = _big_state()
+    path = _checkpoint.save(tmp_path, big, {"step": 5})
+    data = _data_file(path)
+    blob = data.read_bytes()
+    # A flipped bit inside the stored values: the checksum names the array.
+    data.write_bytes(blob[:100] + bytes([blob[100] ^ 4]) + blob[101:])
+    with pytest.raises(_checkpoint.CheckpointError,
+                       match=r"corrupt \(array \['w'\] fails its checksum"):
+        _checkpoint.load(tmp_path, big)
+    data.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(_checkpoint.CheckpointError, match=f"checkpoint {path} is corrupt"):
+        _checkpoint.load(tmp_path, big)
+    data.write_bytes(blob)
+    (path / "meta" / "metadata").write_text("{truncated")
+    with pytest.raises(_checkpoint.CheckpointError, match=r"is corrupt \(meta: JSONDecodeError\)"):
+        _checkpoint.read_meta(tmp_path)
+    with pytest.raises(_checkpoint.CheckpointError, match="no checkpoint in"):
+        _checkpoint.load(tmp_path / "missing", big)
+    with pytest.raises(_checkpoint.CheckpointError, match="has no checkpoint of step 4"):
+        _checkpoint.load(tmp_path, big, step=4)
+    good = tmp_path / "good"
+    _checkpoint.save(good, _state(), {"step": 1})
     with pytest.raises(_checkpoint.CheckpointError, match="expects"):
         _checkpoint.load(good, {"w": jnp.zeros((3, 2)), "n": [jnp.int32(0), jnp.ones(4, jnp.bfloat16)]})
 
 
-def test_a_write_that_dies_before_the_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    path = _checkpoint.save(tmp_path / "c.ckpt", _state(), {"step": 1})
+def test_each_error_is_one_line(tmp_path):
+    _checkpoint.save(tmp_path, _big_state(), {"step": 1})
+    (_data_file(tmp_path / "1")).write_bytes(b"")
+    for call in (lambda: _checkpoint.load(tmp_path, _big_state()),
+                 lambda: _checkpoint.load(tmp_path, {**_big_state(), "w": jnp.zeros(2)}),
+                 lambda: _checkpoint.read_meta(tmp_path / "none")):
+        with pytest.raises(_checkpoint.CheckpointError) as e:
+            call()
+        assert len(str(e.value).splitlines()) == 1 and len(str(e.value)) < 300, str(e.value)
 
-    def crash(src, dst):
-        raise OSError("simulated crash before rename")
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError, match="simulated"):
-        _checkpoint.save(path, {"w": jnp.zeros((2, 3)), "n": [jnp.int32(0), jnp.zeros(4, jnp.bfloat16)]},
-                         {"step": 2})
-    monkeypatch.undo()
-    state, meta = _checkpoint.load(path, _state())
+
+def test_a_save_killed_before_its_rename_keeps_the_old_checkpoint(tmp_path):
+    # What a save killed mid-write leaves: a temp folder beside the steps.
+    _checkpoint.save(tmp_path, _state(), {"step": 1})
+    tmp = tmp_path / "2.orbax-checkpoint-tmp-1234"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "state" / "partial").write_bytes(b"partial")
+    assert _checkpoint.steps(tmp_path) == [1]
+    state, meta = _checkpoint.load(tmp_path, _state())
     assert meta["step"] == 1 and np.array_equal(state["w"], _state()["w"])
-    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+    assert _checkpoint.remove_stale_tmp(tmp_path) == [tmp]
+    assert [p.name for p in tmp_path.iterdir()] == ["1"]
 
 
 def test_load_errors_name_the_parameter_path(tmp_path):
-    path = _checkpoint.save(tmp_path / "c.ckpt", _state(), {"step": 1})
+    _checkpoint.save(tmp_path, _state(), {"step": 1})
     err = _checkpoint.CheckpointError
     with pytest.raises(err, match=r"array \['w'\] has shape \(2, 3\) float32 but the model expects"):
-        _checkpoint.load(path, {**_state(), "w": jnp.zeros((3, 2))})
+        _checkpoint.load(tmp_path, {**_state(), "w": jnp.zeros((3, 2))})
     with pytest.raises(err, match=r"lacks \['extra'\]"):
-        _checkpoint.load(path, {**_state(), "extra": jnp.zeros(2)})
+        _checkpoint.load(tmp_path, {**_state(), "extra": jnp.zeros(2)})
     with pytest.raises(err, match=r"holds \['n'\]\[1\], which the model lacks"):
-        _checkpoint.load(path, {"w": jnp.zeros((2, 3)), "n": [jnp.int32(0)]})
+        _checkpoint.load(tmp_path, {"w": jnp.zeros((2, 3)), "n": [jnp.int32(0)]})
 
 
 _TINY_GPT = dict(vocab_size=20, seq_len=8, n_layers=1, embd=8, heads=2, dropout=0.1)
@@ -104,9 +135,9 @@ def test_model_state_with_rng_keys_roundtrips(tmp_path):
     is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
     assert {str(jax.random.key_impl(k)) for k in jax.tree.leaves(state) if is_key(k)} == \
         {"threefry2x32", "rbg"}
-    path = save_checkpoint(tmp_path / "m.ckpt", state, {"step": 0})
+    save_checkpoint(tmp_path, state, {"step": 0})
     fresh = GPT(cfg, rngs=nnx.Rngs(1, dropout=jax.random.key(5, impl="rbg")))
-    again, _ = load_checkpoint(path, {"model": nnx.state(fresh), "key": jax.random.key(0)})
+    again, _ = load_checkpoint(tmp_path, {"model": nnx.state(fresh), "key": jax.random.key(0)})
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(state)):
         assert a.dtype == b.dtype  # key<fry>, key<rbg>: the impl survives
         if is_key(b):
@@ -131,23 +162,3 @@ def test_generate_leaves_the_callers_train_or_eval_mode():
     model.train()
     generate(model, [1, 2], 2, key=jax.random.key(0))
     assert modes() == {False}
-
-
-def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # a pid that no longer runs
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        stale = tmp_path / f"c.ckpt.tmp-{proc.pid}"
-        busy = tmp_path / f"c.ckpt.tmp-{live.pid}"
-        other = tmp_path / "notes.tmp-1"
-        for f in (stale, busy, other):
-            f.write_bytes(b"partial")
-        assert _checkpoint.remove_stale_tmp(tmp_path / "c.ckpt") == [stale]
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, other.name])
-    finally:
-        live.kill()
-        live.wait()

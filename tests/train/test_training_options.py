@@ -71,6 +71,11 @@ def test_a_resume_must_keep_dtype_accum_and_clip(tmp_path):
             train(_cfg(tmp_path, steps=3, resume=True, **change), log=lambda s: None)
 
 
+def test_keep_below_one_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="keep=0 would delete every checkpoint; keep at least 1"):
+        train(_cfg(tmp_path, keep=0), log=lambda s: None)
+
+
 def test_unknown_dtype_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match="dtype='float16' is not one of float32, bfloat16"):
         train(_cfg(tmp_path, dtype="float16"), log=lambda s: None)
@@ -80,6 +85,7 @@ def test_unknown_dtype_is_one_clear_error(tmp_path):
     (["--accum", "0"], "argument --accum: '0' must be > 0"),
     (["--clip", "-1"], "argument --clip: '-1' must be a finite number >= 0"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--keep", "0"], "argument --keep: '0' must be > 0"),
 ])
 def test_cli_option_errors(args, message, capsys, tmp_path):
     code = _cli.main(["--tiny", "--out", str(tmp_path), *args])
