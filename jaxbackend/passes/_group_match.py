@@ -10,9 +10,9 @@ rules and its `remaining` count.
   `Repeat`: where the heads are, the layout (copy index minor for repeat,
   major for tile) and how to build the un-repeated operand from the source.
 * `group_sum(producer, uses, eqn)`: `eqn` is a `reduce_sum` over the group
-  axis of a reshape splitting a batch dim (kv*g) of a `dot_general`, or
-  (kv = 1) over one batch dim itself, through view ops, each value on the
-  way read once.
+  axis (and size-1 axes) of a reshape, or a chain of reshapes, splitting a
+  batch dim (kv*g) of a `dot_general`, or (kv = 1) over one batch dim
+  itself, through view ops, each value on the way read once.
 * view ops (`transpose`, `squeeze`, a `broadcast_in_dim` inserting size-1
   axes) reorder or drop/insert size-1 axes only: `views` walks them,
   `moved` maps an axis through them, `apply` replays them on an array whose
@@ -227,21 +227,30 @@ def repeated(producer, atom, axes) -> Repeat | None:
     return Repeat(src, moved(axis, ops), kv, g, minor, small + (ops,))
 
 
+def _reshaped(producer, uses, atom):
+    """The input of the chain of single-use row-major `reshape`s ending in
+    `atom` (atom itself when there is none). Row-major reshapes compose:
+    the chain is one reshape from that input's shape to atom's. einops'
+    transpose of a repeat is two (split the heads, then insert size-1 axes)."""
+    for _ in range(MAX_CHAIN):
+        eqn = producer(atom)
+        if (eqn is None or eqn.primitive.name != "reshape" or _jax.reshape_transposes(eqn)
+                or _jax.has_sharding_annotation(eqn) or uses.get(atom, 0) != 1):
+            break
+        atom = eqn.invars[0]
+    return atom
 
 
 def group_sum(producer, uses, eqn):
     """(dot, view ops, kv, g, minor, q) when `eqn` (a reduce_sum) sums the
     group axis of a split batch dim q of a single-use contraction (through
-    single-use view ops), else None."""
+    single-use reshapes, then single-use view ops), else None."""
     if _jax.has_sharding_annotation(eqn) or len(eqn.invars) != 1:
         return None
     parts = eqn.invars[0]
-    rs = producer(parts)
-    if uses.get(parts, 0) != 1 or rs is None or _jax.has_sharding_annotation(rs):
+    if uses.get(parts, 0) != 1 or producer(parts) is None:
         return None
-    whole = parts
-    if rs.primitive.name == "reshape" and not _jax.reshape_transposes(rs):
-        whole = rs.invars[0]
+    whole = _reshaped(producer, uses, parts)
     shape, axes = tuple(parts.aval.shape), set(_jax.reduce_axes(eqn))
     found = find_split(tuple(whole.aval.shape), shape)
     if found is not None:

@@ -28,11 +28,15 @@ remove both, forward and backward:
   (kv, g) (`repeat` layout: query head = kv_i*g + g_i) or (g, kv) (`tile`
   layout), the contraction runs against the un-repeated operand with kv as
   the batch dim and g a free dim, and its result is reshaped back;
-* folded group sum (`reduce_sum` rule): a sum over the group axis of a
-  reshape splitting a batch dim (kv*g) of a contraction, or (one KV head)
-  a sum over one batch dim itself, through view ops: the split moves onto
-  both operands and g becomes a contracted dim, so the kv*g-headed
-  gradient of K or V is never written.
+* folded group sum (`reduce_sum` rule): a sum over the group axis (and
+  any size-1 axes) of a reshape splitting a batch dim (kv*g) of a
+  contraction into adjacent (kv, g) or (g, kv), with size-1 axes added or
+  dropped, or (one KV head) a sum over one batch dim itself, through view
+  ops. The reshape may be a chain of single-use reshapes (einops' repeat
+  transposes to two: split the heads, then insert size-1 axes; row-major
+  reshapes compose into one). The split moves onto both operands and g
+  becomes a contracted dim, so the kv*g-headed gradient of K or V is never
+  written.
 
 Layout: the new contraction computes the same sums whatever its operand
 order, so the rules pick the order that copies least in XLA's dot emitters
@@ -65,8 +69,9 @@ When it preserves `jax.jit`'s results (checked where noted):
   dot's precision and `preferred_element_type` are reused unchanged.
 * folded group sum: the g partial sums are added inside the contraction's
   own sum, accumulated in the dot's result dtype, as the `reduce_sum` was
-  (checked: same dtype all along the chain). Integers: exact, overflow
-  included (wrapping addition is associative). Floats: up to summation
+  (checked: same dtype all along the chain, every value on it read once,
+  no reshape on it transposes or carries a sharding). Integers: exact,
+  overflow included (wrapping addition is associative). Floats: up to summation
   order (one sum instead of a sum of g sums); nan iff a product is nan or
   products of both infinite signs occur, in either program, except where a
   reordered partial sum reaches the overflow threshold in one order only,

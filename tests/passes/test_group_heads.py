@@ -2,6 +2,7 @@
 
 import math
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +91,75 @@ def test_rewritten_repeat_form_does_the_grouped_forms_contractions():
     assert_close(jax.jit(_jax.jaxpr_as_fun(rewritten))(*ARGS), jax.tree.leaves(ref(*ARGS)),
                  what="grouped repeat form vs hand-written grouped form",
                  scale=lambda: abs_scale(ref, *ARGS))
+
+
+def _einops_repeat(q, k, v):
+    """`einops.repeat(k, "b s k d -> b s (k g) d")`: reshape -> broadcast ->
+    reshape forward; AD's transpose sums the group through two reshapes
+    (split the heads, then insert size-1 axes)."""
+    g = q.shape[2] // k.shape[2]
+    return P._attend(q, einops.repeat(k, "b s k d -> b s (k g) d", g=g),
+                     einops.repeat(v, "b s k d -> b s (k g) d", g=g))
+
+
+def test_einops_repeat_group_sums_fold_through_a_reshape_chain():
+    """After `hoist_broadcast` composes einops' forward merges, the backward
+    group sums of dK and dV are read through two reshapes: both fold, and
+    the value_and_grad matches jax.jit's."""
+    loss = P.gqa_loss(_einops_repeat)
+
+    def group(closed):
+        return _group(passes.hoist_broadcast(passes.inline_calls(closed)))
+
+    before = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*ARGS)
+    hoisted = passes.hoist_broadcast(passes.inline_calls(before))
+    chains = [e for e in hoisted.jaxpr.eqns if e.primitive.name == "reduce_sum"
+              and e.invars[0].aval.ndim > 5]          # sums of (.., 1, kv, g, 1, ..) splits
+    assert len(chains) == 2 and remaining(hoisted) == 6
+    with _rewrite.collect_stats() as stats:
+        fwd, grad = check_pass(group, loss, ARGS, argnums=(0, 1, 2))
+    assert stats["group sum folded into contraction"] == 2
+    assert remaining(fwd) == 0 and remaining(grad) == 0
+    assert _copies(grad, ARGS[1].size) == 0
+
+
+def _split_twice(s):
+    """(2, kv*g, 5, 5) -> (2, kv, g, 5, 5) -> (1, 2, 1, kv, g, 1, 5, 5), as
+    einops' transpose of a repeat writes it."""
+    return s.reshape(2, 2, 3, 5, 5).reshape(1, 2, 1, 2, 3, 1, 5, 5)
+
+
+def test_group_sum_through_two_reshapes_matches_jax_jit():
+    """The split of the heads and the size-1 axes come from two reshapes,
+    and the sum covers the group axis and size-1 axes: one contraction,
+    the same values as jax.jit's (int32: bit-identical, wrapping included)."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.integers(-2 ** 20, 2 ** 20, (2, 5, 6, 4)), jnp.int32)
+
+    def f(q):
+        return _split_twice(jnp.einsum("bthd,bshd->bhts", q, q)).sum((0, 4, 5))
+
+    closed = jax.make_jaxpr(f)(q)
+    assert remaining(closed) == 1
+    with _rewrite.collect_stats() as stats:
+        out = passes.dce(passes.group_heads(closed))
+    assert stats["group sum folded into contraction"] == 1 and remaining(out) == 0
+    assert _rewrite.count_eqns(out, "reduce_sum") == 0
+    assert_close(jax.jit(_jax.jaxpr_as_fun(out))(q)[0], jax.jit(f)(q), what="int32 folded sum")
+    qf = q.astype(jnp.float32) / 2 ** 20
+    check_pass(lambda c: passes.dce(passes.group_heads(c)), lambda q: jnp.sum(jnp.tanh(f(q))),
+               (qf,))
+
+
+def test_group_sum_through_a_reshape_read_twice_is_left_alone():
+    q = ARGS[0]
+
+    def f(q):   # the per-head split is read again: folding would compute the scores twice
+        split = jnp.einsum("bthd,bshd->bhts", q, q).reshape(2, 2, 3, 5, 5)
+        return split.reshape(1, 2, 1, 2, 3, 1, 5, 5).sum((0, 4, 5)), split
+
+    closed = jax.make_jaxpr(f)(q)
+    assert remaining(closed) == 0 and passes.group_heads(closed) is closed
 
 
 def test_repeat_along_a_contracted_dim_is_left_alone():
