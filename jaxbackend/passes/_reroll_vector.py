@@ -213,7 +213,12 @@ def emit(walk, fam):
     outs = walk.b.bind(e0.primitive, args, **params)
     for k, out in enumerate(outs):
         walk.family_out[(id(fam), k)] = out
-        walk.register(out, [m.outvars[k] for m in members])
+        # entries read out (program outputs: the new weights and moments) come
+        # from one materialised stack: without the barrier XLA fuses the whole
+        # element-wise chain into every entry's slice, one kernel per layer and
+        # weight to compile (3 x 1024 of them at 64 layers)
+        held, = walk.b.emit(lax.optimization_barrier, [out], key="reroll.barrier")
+        walk.register(held, [m.outvars[k] for m in members])
     walk.stats.vectorized += 1
     walk.stats.vectorized_eqns += n
 
