@@ -90,16 +90,18 @@ def test_dropout_state_advances_as_without_the_cache():
 def test_the_cached_transformer_program_matches_its_plain_loop_rolled():
     from jaxbackend.programs import transformer as T
 
-    x, layers = T.init_transformer(jax.random.key(0), 6)
-    vg = lambda model: jax.value_and_grad(model, argnums=(0, 1), has_aux=True)  # noqa: E731
+    # 5 layers: the default pipeline rolls from REROLL_MIN_REPEATS = 5
+    x, layers = T.init_transformer(jax.random.key(0), 5, seq=8, d=16, heads=2, mlp=32)
+    vg = lambda model: jax.value_and_grad(  # noqa: E731
+        lambda x, ls: model(x, ls, heads=2), argnums=(0, 1), has_aux=True)
     closed = jax.make_jaxpr(vg(T.cached_loop_transformer))(x, layers)
     calls = _calls(closed)
-    assert len(calls) == 12 and len({id(_jax.call_body(e)) for e in calls}) <= 4
+    assert len(calls) == 10 and len({id(_jax.call_body(e)) for e in calls}) <= 4
     f = jb.jit(vg(T.cached_loop_transformer))
     report = f.trace_passes(x, layers)
-    assert "reroll.blocks_rolled: 12" in str(report)   # forward and backward, all 6 layers
+    assert "reroll.blocks_rolled: 10" in str(report)   # forward and backward, all 5 layers
     assert_close(f(x, layers), jax.jit(vg(T.loop_transformer))(x, layers),
-                 scale=abs_scale(vg(T.loop_transformer), x, layers))
+                 scale=lambda: abs_scale(vg(T.loop_transformer), x, layers))
 
 
 def test_a_layer_that_branches_on_its_index_is_not_merged_with_the_others():
@@ -130,4 +132,4 @@ def test_a_layer_that_branches_on_its_index_is_not_merged_with_the_others():
     rolled = int(report.split("reroll.blocks_rolled: ")[1].split(",")[0])
     assert 0 < rolled <= 2 * 7
     assert_close(f(ws, x), jax.value_and_grad(plain)(ws, x),
-                 scale=abs_scale(jax.value_and_grad(plain), ws, x))
+                 scale=lambda: abs_scale(jax.value_and_grad(plain), ws, x))
