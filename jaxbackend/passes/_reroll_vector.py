@@ -31,7 +31,8 @@ How (three linear walks over the equations after the last run):
    vector equation is placed; later readers get entry i lazily).
 
 Which equations: element-wise primitives (`_jax.ELEMENTWISE`) and
-reductions (their axes shift by one), without effects or sub-jaxprs.
+reductions (their axes shift by one), without effects, sub-jaxprs or an
+explicit output sharding (its spec has the member's rank).
 
 Invariant (what the emitted program keeps): every member result equals the
 original one. Element-wise primitives compute each element independently
@@ -72,6 +73,7 @@ def _eligible(eqn) -> bool:
     name = eqn.primitive.name
     return ((name in _jax.ELEMENTWISE or name in _jax.REDUCTIONS)
             and not eqn.effects and not _jax.has_sub_jaxprs(eqn)
+            and not _jax.has_sharding_annotation(eqn)   # a spec of the member's rank
             and _jax.params_key(eqn.params) is not None
             and not any(_jax.is_dropvar(v) for v in eqn.outvars))
 
