@@ -3,9 +3,12 @@ devices: the same object and extras as without a mesh, static arguments
 (plans per static value), donated params and optimizer state, and given
 in/out shardings checked against the plan."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import jaxbackend as jb
@@ -152,9 +155,28 @@ def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules):
                          what="sharded rolled value_and_grad")
 
 
-def test_plan_names_every_dim_after_where_it_comes_from(mesh):
-    import re
+def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh):
+    # the per-layer AdamW update runs once per weight kind on the stacked
+    # weights (reroll's vectorised tail), under the searched plan
+    import optax
 
+    vg, (params, x, y) = _gpt_step(6)
+    tx = optax.adamw(1e-2)
+
+    def step(params, opt_state, x, y):
+        loss, grads = vg(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), x, y)
+    f = jb.jit(step, mesh=mesh)
+    assert re.search(r"reroll\.vectorized: [1-9]", str(f.trace_passes(*args)))
+    got, want = f(*args), jax.jit(step)(*args)
+    testing.assert_close(got, want, scale=lambda: testing.abs_scale(step, *args),
+                         what="sharded rolled AdamW step")
+
+
+def test_plan_names_every_dim_after_where_it_comes_from(mesh):
     vg, args = _gpt_step(2)
     plan = sharding.plan(vg, *args, mesh=mesh)
     names = set(plan.model.g.key_names)
