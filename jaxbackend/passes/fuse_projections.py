@@ -18,7 +18,7 @@ are outputs of named `einsum` equations) the contraction is emitted as a
 named `einsum`; otherwise as a `dot_general` (jnp code has no names).
 
 Invariant established: `remaining(closed) == 0`: no F chain and no W chain
-anywhere (sub-jaxprs included). The flattening reshapes become dead when
+whose `x` is free to transpose (below) anywhere (sub-jaxprs included). The flattening reshapes become dead when
 nothing else reads them; `dce` removes them.
 
 Leaves alone (conservative matchers): reshapes that also transpose, any
@@ -27,6 +27,19 @@ an unflatten whose batch dims differ from the flatten's, dot_generals with
 batch dimensions or a weight that is not rank 2, an F chain whose dot or
 unflatten carries an explicit output sharding (it names the 2-D shape,
 which the fused contraction does not have), and everything else.
+
+Never costs more than the 2-D dot: a W chain is declined unless its `x`
+can be transposed for free (`_free_to_transpose`). The fused W contracts
+several dims of its lhs, so XLA compiles it with `x` transposed to
+[K, *batch]; the 2-D dot contracts dim 0 of the flat `x` in place. The
+transpose is free only when it fuses into x's producer: `x` comes, through
+non-transposing reshapes, from an element-wise equation or a transpose,
+and each value on that path (the flat `x` included) has no other reader.
+Otherwise (x a jaxpr input, a dot output, or read again, as the output
+cotangent is by the input-gradient chain) XLA writes a second, transposed
+copy of x: flops and bytes the 2-D dot does not spend. `g`, the rhs, is
+already in XLA's canonical [contracting, free] order. F chains cost nothing:
+the rank-3 operand of the fused contraction is a bitcast of the flat one.
 
 When it preserves `jax.jit`'s results. The fused contraction multiplies the
 same pairs of elements and sums, for each output element, the same K (F) or
@@ -49,6 +62,7 @@ same operand dtypes (x, w, g themselves). Hence:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from jaxbackend import _jax
@@ -102,15 +116,57 @@ def _match_forward(producer, eqn):
     return x, w, c, dot
 
 
-def _match_weight_grad(producer, eqn):
-    """W: eqn is dot_general(flat x, flat g) contracting the flat dim."""
+def _match_weight_grad(producer, readers, eqn):
+    """W: eqn is dot_general(flat x, flat g) contracting the flat dim, where
+    x's layout change is free (`_free_to_transpose`)."""
     if eqn.primitive.name != "dot_general" or not _is_plain_2d_dot(eqn, 0, 0):
         return None
     x = _flattened(producer, eqn.invars[0])
     g = _flattened(producer, eqn.invars[1])
     if x is None or g is None or tuple(x.aval.shape[:-1]) != tuple(g.aval.shape[:-1]):
         return None
+    if not _free_to_transpose(producer, readers, x, eqn.invars[0]):
+        return None
     return x, g
+
+
+def _free_to_transpose(producer, readers, x, flat):
+    """Whether XLA can lay `x` out as [K, *batch] at no cost.
+
+    A dot contracting several dims of its lhs is compiled with the lhs
+    transposed to [free, contracting] (XLA's dot canonicalisation), while the
+    2-D dot it replaces contracts dim 0 in place. That transpose is free when
+    it fuses into x's producer: an element-wise equation (a loop fusion that
+    writes the transposed layout instead) or a transpose (two transposes
+    compose into one), reached through non-transposing reshapes (bitcasts),
+    each value on the way read once (`flat` by the dot only). A value with
+    another reader needs its old layout too: XLA recomputes the producer into
+    a second, transposed buffer (more flops and bytes than the 2-D dot)."""
+    if readers.get(flat, 0) != 1:
+        return False
+    while True:
+        eqn = producer(x)
+        if eqn is None or readers.get(x, 0) != 1:
+            return False        # an input, or read elsewhere: a real copy
+        name = eqn.primitive.name
+        if name in _jax.ELEMENTWISE or name == "transpose":
+            return True
+        if name != "reshape" or _jax.reshape_transposes(eqn) or len(eqn.invars) != 1:
+            return False
+        x = eqn.invars[0]
+
+
+def _readers(jaxpr) -> dict:
+    """var -> number of equations and outputs of `jaxpr` reading it."""
+    count: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if _jax.is_var(v):
+                count[v] = count.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if _jax.is_var(v):
+            count[v] = count.get(v, 0) + 1
+    return count
 
 
 def _names(producer, atom):
@@ -149,8 +205,8 @@ def _forward_rule(ctx, eqn):
     return out
 
 
-def _weight_grad_rule(ctx, eqn):
-    m = _match_weight_grad(ctx.producer, eqn)
+def _weight_grad_rule(readers, ctx, eqn):
+    m = _match_weight_grad(ctx.producer, readers, eqn)
     if m is None:
         return None
     x, g = m
@@ -165,12 +221,20 @@ def _weight_grad_rule(ctx, eqn):
     return out
 
 
-RULES = {"reshape": _forward_rule, "dot_general": _weight_grad_rule}
+def _all_readers(closed) -> dict:
+    readers: dict = {}
+    for jaxpr in _rewrite.iter_jaxprs(closed):
+        readers.update(_readers(jaxpr))
+    return readers
 
 
 def fuse_projections(closed):
     """Replace flatten-dot-unflatten chains by batch-keeping contractions."""
-    return _rewrite.rewrite(closed, RULES)
+    # reader counts of the input graph: a W rule decides before the later
+    # readers of its operands are walked (equations it keeps keep their vars)
+    rules = {"reshape": _forward_rule,
+             "dot_general": functools.partial(_weight_grad_rule, _all_readers(closed))}
+    return _rewrite.rewrite(closed, rules)
 
 
 def remaining(closed) -> int:
@@ -179,9 +243,10 @@ def remaining(closed) -> int:
     total = 0
     for jaxpr in _rewrite.iter_jaxprs(closed):
         producer = _rewrite.Producers(jaxpr.eqns)
+        readers = _readers(jaxpr)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "reshape" and _match_forward(producer, eqn) is not None:
                 total += 1
-            elif _match_weight_grad(producer, eqn) is not None:
+            elif _match_weight_grad(producer, readers, eqn) is not None:
                 total += 1
     return total

@@ -72,7 +72,9 @@ def test_explain_cli_prints_the_report_for_the_example():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "fuse_projections" in r.stdout and "forward chain fused: 4" in r.stdout
-    assert "weight-grad chain fused: 2" in r.stdout
+    # both weight gradients read a cotangent the input-gradient chain reads
+    # too: declined, XLA would copy it transposed (fuse_projections' docstring)
+    assert "weight-grad chain fused" not in r.stdout
 
 
 def test_explain_errors_name_the_fix(capsys):

@@ -241,6 +241,7 @@ def test_fused_projection_keeps_preferred_element_type_and_precision():
 
 def test_fused_weight_grad_chain_integer_and_non_finite():
     def f(x, g):                                   # W: contract the flattened batch dim
+        x = -x      # computed in the program: free to transpose (an input is not)
         return lax.dot_general(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]),
                                (((0,), (0,)), ((), ())))
 
