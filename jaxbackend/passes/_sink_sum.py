@@ -32,6 +32,19 @@ a leaf emits the reshape to the split view, then its sum. Row-major split
 and merge are bijections of indices, so a node in the split space sums the
 same terms as in the merged one.
 
+When sinking saves work. jax.jit's sum reads its N-element atom once; a
+plan reads each leaf once per sum, adds work only at the reduced size, and
+kills the producers it walks through if all their uses are in the plan.
+`plan` counts its visits of each walked value; one with more `uses(atom)`
+(None, unknown: a value this pass emitted) is marked and the plan redone,
+until no new mark (at most MAX_NODES marks). Above every marked value any
+node is taken: each walked full-size op becomes reduced-size work, each
+leaf is read as often as before. Below a marked value only one-child nodes
+(factor, neg, broadcast, reshape): one leaf of at most N elements read in
+place of the N-element value. An add there (computed anyway: 2N reads for
+jax.jit's N) or an inner reduce_sum (its larger operand re-read) is a leaf.
+(So a LayerNorm backward sum that a weight gradient's dot also reads stays.)
+
 A plan is a tree of the NamedTuples below (`Leaf`, `Neg`, `Add`, `Bcast`,
 `Reshape`, `Reduce`, `Factor`). It returns None unless at least one factor
 comes out (otherwise nothing is saved). The walk visits at most
@@ -92,6 +105,7 @@ results may differ from jax.jit's as described above (nan vs inf).
 
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -151,6 +165,13 @@ class Factor(NamedTuple):        # sum(child) * f or / f, f the factor squeezed
     var_first: bool              # was the summed operand the left one?
 
 
+class _Rules(NamedTuple):        # one `plan` attempt's settings
+    accept: Any                  # (factor atom, dtype) -> may it come out?
+    marked: frozenset            # values with a use outside the plan
+    visits: Any                  # Counter: value -> times walked through
+    shared: bool = False         # has the walk passed a marked value?
+
+
 def _size1_reshape_map(in_shape, out_shape):
     """Axis map in->out for a reshape that only inserts/removes size-1 dims."""
     big_in = [i for i, n in enumerate(in_shape) if n != 1]
@@ -160,31 +181,34 @@ def _size1_reshape_map(in_shape, out_shape):
     return dict(zip(big_out, big_in))
 
 
-def plan(producer, atom, axes, value=None, *, runtime=False):
-    """The sinking of `reduce_sum(atom, axes)`, or None. `value(atom)` is
-    the compile-time value of an atom or None (`constant_value`); without
-    it no factor is known, so nothing sinks. `runtime=True` also takes
-    factors whose value is unknown (module doc: the caller's promise)."""
+def plan(producer, atom, axes, value=None, *, runtime=False, uses=None):
+    """The sinking of `reduce_sum(atom, axes)`, or None. `value(atom)`: an
+    atom's compile-time value or None (`constant_value`; without it nothing
+    sinks). `uses(atom)`: its number of uses, None if unknown (module doc:
+    when sinking saves work; without it all uses count as in the plan).
+    `runtime=True` also takes unknown factors (the caller's promise)."""
     value = value or (lambda a: None)
 
     def accept(atom, dtype):
         v = value(atom)
         return runtime if v is None else safe_factor(v, dtype)
 
-    budget = [MAX_NODES]
-    node = _plan(producer, atom, tuple(sorted(axes)), budget, accept, _identity(atom.aval.shape))
-    return node if not isinstance(node, Leaf) and _useful(node) else None
+    marked: frozenset = frozenset()   # values with a use outside the plan
+    while True:
+        budget, visits = [MAX_NODES], collections.Counter()
+        node = _plan(producer, atom, tuple(sorted(axes)), budget, _Rules(accept, marked, visits),
+                     _identity(atom.aval.shape))
+        more = {a for a, n in visits.items() if uses and (uses(a) is None or uses(a) > n)} - marked
+        if not more:
+            return node if not isinstance(node, Leaf) and _useful(node) else None
+        marked |= more
 
 
 def _useful(node) -> bool:
     """Does the plan factor anything out (else it saves nothing)?"""
-    if isinstance(node, Factor):
-        return True
-    if isinstance(node, Leaf):
-        return False
-    if isinstance(node, Add):
-        return _useful(node.a) or _useful(node.b)
-    return _useful(node.child)  # Neg, Bcast, Reshape, Reduce: one child
+    if isinstance(node, (Factor, Leaf)):
+        return isinstance(node, Factor)
+    return any(map(_useful, (node.a, node.b) if isinstance(node, Add) else (node.child,)))
 
 
 def _fits(op_shape, shape) -> bool:
@@ -208,7 +232,7 @@ def _factor_source(producer, fac, groups, shape):
     return _broadcast.split_source(src, groups, shape)
 
 
-def _plan(producer, atom, axes, budget, accept, groups):
+def _plan(producer, atom, axes, budget, rules, groups):
     """Plan `reduce_sum(reshape(atom, split), axes)`, split = the sizes of
     `groups` (one run per axis of atom; runs of one: atom itself)."""
     shape, ashape = _broadcast.flat_groups(groups), tuple(atom.aval.shape)
@@ -225,7 +249,10 @@ def _plan(producer, atom, axes, budget, accept, groups):
     if ones:  # summing a size-1 axis is a reshape: sum the others, then drop these
         big = tuple(a for a in axes if shape[a] != 1)
         out_shape = tuple(n for a, n in enumerate(shape) if a not in axes)
-        return Reshape(_plan(producer, atom, big, budget, accept, groups), out_shape)
+        return Reshape(_plan(producer, atom, big, budget, rules, groups), out_shape)
+    if not rules.shared:   # module doc: when sinking saves work
+        rules.visits[atom] += 1
+        rules = rules._replace(shared=atom in rules.marked)
     if (name in ("mul", "div") and not _jax.has_out_dtype(eqn)
             and all(_fits(v.aval.shape, ashape) and v.aval.dtype == dtype for v in eqn.invars)):
         a, b = eqn.invars
@@ -240,19 +267,21 @@ def _plan(producer, atom, axes, budget, accept, groups):
                 c = None if src is None else _broadcast.constant_along(src, axes)
                 fshape = None if src is None else src.shape
             # only a compile-time, finite, normal factor (module doc)
-            if c is not None and accept(c[0], dtype):
-                return Factor(name, _plan(producer, var, axes, budget, accept, groups), c,
+            if c is not None and rules.accept(c[0], dtype):
+                return Factor(name, _plan(producer, var, axes, budget, rules, groups), c,
                               fshape, axes, var is eqn.invars[0])
         return leaf
     if name == "neg":
-        return Neg(_plan(producer, eqn.invars[0], axes, budget, accept, groups))
+        return Neg(_plan(producer, eqn.invars[0], axes, budget, rules, groups))
+    if rules.shared and (name in _ADD or name == "reduce_sum"):
+        return leaf   # below a value with another use: one-child nodes only (module doc)
     if name in _ADD and all(v.aval.shape == ashape for v in eqn.invars):
-        return Add(name, _plan(producer, eqn.invars[0], axes, budget, accept, groups),
-                   _plan(producer, eqn.invars[1], axes, budget, accept, groups))
+        return Add(name, _plan(producer, eqn.invars[0], axes, budget, rules, groups),
+                   _plan(producer, eqn.invars[1], axes, budget, rules, groups))
     if name == "broadcast_in_dim" and len(eqn.invars) == 1:
-        return _plan_broadcast(producer, eqn, axes, budget, accept, groups) or leaf
+        return _plan_broadcast(producer, eqn, axes, budget, rules, groups) or leaf
     if name == "reshape" and not _jax.reshape_transposes(eqn) and len(eqn.invars) == 1:
-        return _plan_reshape(producer, eqn, axes, budget, accept, groups) or leaf
+        return _plan_reshape(producer, eqn, axes, budget, rules, groups) or leaf
     if name == "reduce_sum":
         x = eqn.invars[0]
         other = tuple(int(a) for a in _jax.reduce_axes(eqn))
@@ -264,12 +293,12 @@ def _plan(producer, atom, axes, budget, accept, groups):
         x_axes = tuple(sorted(kept_s[a] for a in axes))
         # after summing x_axes first, the `other` axes shift down
         rest = [a for a in range(len(kept_s) + len(other)) if a not in x_axes]
-        return Reduce(_plan(producer, x, x_axes, budget, accept, xg),
+        return Reduce(_plan(producer, x, x_axes, budget, rules, xg),
                       tuple(rest.index(a) for a in other))
     return leaf
 
 
-def _plan_broadcast(producer, eqn, axes, budget, accept, groups):
+def _plan_broadcast(producer, eqn, axes, budget, rules, groups):
     """Sink through `broadcast_in_dim` when every summed axis comes from a
     same-sized axis of its operand (else None)."""
     x, shape = eqn.invars[0], _broadcast.flat_groups(groups)
@@ -288,10 +317,10 @@ def _plan_broadcast(producer, eqn, axes, budget, accept, groups):
     out_axes = [a for a in range(len(shape)) if a not in axes]
     out_shape = tuple(shape[a] for a in out_axes)
     new_dims = tuple(out_axes.index(d) for j, d in enumerate(dims) if j not in x_axes)
-    return Bcast(_plan(producer, x, x_axes, budget, accept, xg), out_shape, new_dims)
+    return Bcast(_plan(producer, x, x_axes, budget, rules, xg), out_shape, new_dims)
 
 
-def _plan_reshape(producer, eqn, axes, budget, accept, groups):
+def _plan_reshape(producer, eqn, axes, budget, rules, groups):
     """Sink through a reshape that only adds/drops size-1 axes, that undoes
     the split being summed (its operand has the split shape), or that splits
     merged axes (AD's transpose of a merge: the sum enters the split space of
@@ -309,13 +338,13 @@ def _plan_reshape(producer, eqn, axes, budget, accept, groups):
         if not all(a in smap for a in axes):
             return None
         x_axes = tuple(sorted(smap[a] for a in axes))
-        return Reshape(_plan(producer, x, x_axes, budget, accept, tuple(xg)), out_shape)
+        return Reshape(_plan(producer, x, x_axes, budget, rules, tuple(xg)), out_shape)
     if xshape == shape:   # x is the split view itself
-        return _plan(producer, x, axes, budget, accept, _identity(xshape))
+        return _plan(producer, x, axes, budget, rules, _identity(xshape))
     if all(len(g) == 1 for g in groups):
         xg = _broadcast.merge_groups(ashape, xshape)
         if xg is not None:
-            return _plan(producer, x, axes, budget, accept, xg)
+            return _plan(producer, x, axes, budget, rules, xg)
     return None
 
 

@@ -30,7 +30,9 @@ sees earlier rewrites, so whole chains move up):
   that merges its split shape again: one broadcast, then one merge;
 * `reduce_sum` over axes along which a compile-time factor of its (linear)
   operand is constant: the sum moves inside the product (`_sink_sum`), for
-  float32/float64 and finite, normal factors only. AD transposes a
+  float32/float64 and finite, normal factors only, and never past an add
+  or inner sum whose value another op also reads (that would add work;
+  `use_counts` gives the uses). AD transposes a
   broadcast into such a sum (cotangent * coefficient, summed over the
   created axes), and a merge into a split reshape and such a sum, which
   `_sink_sum` follows into the split space; runtime coefficients, like the
@@ -96,6 +98,7 @@ this module emits.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 from jax import lax
@@ -127,7 +130,7 @@ def _elementwise_rule(ctx, eqn):
     return out
 
 
-def _reduction_rule(ctx, eqn, consts=None, runtime=False):
+def _reduction_rule(ctx, eqn, consts=None, runtime=False, uses=None):
     if _jax.has_sharding_annotation(eqn):
         return None
     out = _hoist_reduction(ctx, eqn)
@@ -135,7 +138,7 @@ def _reduction_rule(ctx, eqn, consts=None, runtime=False):
         consts = {} if consts is None else consts
         node = _sink_sum.plan(ctx.producer, eqn.invars[0], _jax.reduce_axes(eqn),
                               lambda a: _sink_sum.constant_value(ctx.producer, a, consts),
-                              runtime=runtime)
+                              runtime=runtime, uses=None if uses is None else uses.get)
         if node is not None:
             out = _rewrite.same_types(eqn, [_sink_sum.emit(ctx, node)])
             ctx.count("sum sunk past broadcast factors")
@@ -209,8 +212,22 @@ def hoist_broadcast(closed, *, runtime_factors: bool = False):
     # Sum sinking may factor out values computed from the program's consts.
     jaxpr, values = _jax.jaxpr_parts(closed)
     consts = dict(zip(jaxpr.constvars, values))
-    reduction = functools.partial(_reduction_rule, consts=consts, runtime=runtime_factors)
+    reduction = functools.partial(_reduction_rule, consts=consts, runtime=runtime_factors,
+                                  uses=use_counts(closed))
     return _rewrite.rewrite(closed, {**RULES, **{p: reduction for p in REDUCTIONS}})
+
+
+def use_counts(closed) -> dict:
+    """{var: number of uses}, over `closed` and its sub-jaxprs: as an
+    equation operand (once per operand slot) or a jaxpr output. Sum sinking
+    splits a sum only at values whose uses all lie in its plan; a var this
+    pass creates is absent (unknown uses: treated as used elsewhere)."""
+    counts: collections.Counter = collections.Counter()
+    for jaxpr in _rewrite.iter_jaxprs(closed):
+        for eqn in jaxpr.eqns:
+            counts.update(v for v in eqn.invars if _jax.is_var(v))
+        counts.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    return dict(counts)
 
 
 def remaining(closed) -> int:
