@@ -52,6 +52,7 @@ import dataclasses
 from jax import lax
 
 from jaxbackend import _jax
+from jaxbackend.passes import _stacks
 
 _CONFLICT = -1
 
@@ -67,6 +68,8 @@ class Family:
     last: int = -1                     # position of the last member (the emission point)
     kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",) | ("o",)
     shared: tuple = ()                 # per input: True when one atom serves every member
+    read_out: tuple = ()               # per output: read by an equation outside applied
+                                       # families, or a program output (then held: `emit`)
 
 
 def _eligible(eqn) -> bool:
@@ -82,9 +85,10 @@ def _type(aval) -> tuple:
     return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
 
 
-def plan(eqns, located: dict, stack_len: dict, min_repeats: int) -> dict:
+def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> dict:
     """{position: Family} for the members of every family to apply, given
-    `located` (var -> (stack id, index)) and `stack_len` (stack id -> n)."""
+    `located` (var -> (stack id, index)), `stack_len` (stack id -> n) and the
+    program's `outvars`."""
     n_eq = len(eqns)
     elig = [_eligible(e) for e in eqns]
     index: list = [None] * n_eq
@@ -181,6 +185,14 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int) -> dict:
                           for r in readers.get(o, ()))
             if bad:
                 fam.ok, changed = False, True
+    outs = {v for v in outvars if _jax.is_var(v)}
+    for fam in families:
+        if fam.ok:
+            fam.read_out = tuple(
+                any(o in outs or any(not (fam_at[r] is not None and fam_at[r].ok)
+                                     for r in readers.get(o, ()))
+                    for o in (eqns[k].outvars[j] for k in fam.members.values()))
+                for j in range(len(eqns[fam.last].outvars)))
     return {k: fam for fam in families if fam.ok for k in fam.members.values()}
 
 
@@ -214,13 +226,14 @@ def emit(walk, fam):
         params = _jax.reduce_params(e0, [a + 1 for a in _jax.reduce_axes(e0)])
     outs = walk.b.bind(e0.primitive, args, **params)
     for k, out in enumerate(outs):
+        if fam.read_out[k]:
+            # entries read out (program outputs: the new weights and moments)
+            # come from one materialised stack (`_stacks.hold`), which later
+            # families read too: the loop's input then has no reader after
+            # it, so XLA needs no copy of it
+            out, = walk.b.emit(_stacks.hold, [out], key="reroll.hold")
         walk.family_out[(id(fam), k)] = out
-        # entries read out (program outputs: the new weights and moments) come
-        # from one materialised stack: without the barrier XLA fuses the whole
-        # element-wise chain into every entry's slice, one kernel per layer and
-        # weight to compile (3 x 1024 of them at 64 layers)
-        held, = walk.b.emit(lax.optimization_barrier, [out], key="reroll.barrier")
-        walk.register(held, [m.outvars[k] for m in members])
+        walk.register(out, [m.outvars[k] for m in members])
     walk.stats.vectorized += 1
     walk.stats.vectorized_eqns += n
 

@@ -56,3 +56,29 @@ def opaque_indices(n: int, like):
     _, idx = lax.while_loop(lambda c: c[0] < trips,
                             lambda c: (c[0] + 1, tuple(x + c[0] for x in c[1])), init)
     return idx
+
+
+def hold(x):
+    """x, materialised once before its entries are read (`unstack_one`).
+
+    Without it XLA fuses the element-wise chain that computed a stack (the
+    vectorised optimizer update) into every entry's slice: one larger kernel
+    per layer and weight to compile (3 x 1024 at 64 layers, most of the
+    compile time). `lax.optimization_barrier` does not stop that on XLA:CPU
+    (JAX 0.10: the barrier is expanded away before fusion); a `while` loop
+    does. x goes through a loop whose trip count XLA cannot know (1 if x's
+    first and last elements differ, else 0) and whose body selects x when
+    its counter is 0, which it is on its only possible iteration. A select
+    moves bits without arithmetic (nothing to round, no subnormal flushed,
+    any dtype), so the result is x, bit for bit, on both paths.
+    """
+    if not x.size:
+        return x
+    flat = x.reshape(-1)
+    trips = (flat[0] != flat[-1]).astype(jnp.int32)
+    zero = jnp.zeros_like(x)
+
+    def body(c):
+        return c[0] + 1, lax.select(jnp.broadcast_to(c[0] == 0, x.shape), c[1], zero)
+
+    return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), x))[1]

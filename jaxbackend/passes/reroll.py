@@ -202,7 +202,7 @@ class _Walk:
                 if i == self.tail and self.min_repeats:   # every stack exists: plan the tail
                     self.vector = _reroll_vector.plan(
                         eqns[i:], self.stacked, {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
-                        self.min_repeats)
+                        self.min_repeats, self.jaxpr.outvars)
 
     def vectorized(self, pos: int) -> bool:
         """Whether equation `pos` is a member of an applied family (its

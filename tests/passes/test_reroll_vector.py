@@ -27,16 +27,12 @@ def _layers(x, ws):
     return (x ** 2).sum()
 
 
-def _ws(n=N):
-    # w1 and w2 have one shape in two roles
-    return [(rand(10 + i, D, D) * 0.3, rand(20 + i, D, D) * 0.3, rand(30 + i, D) * 0.1)
-            for i in range(n)]
-
-
-def _step_jaxpr(tail):
+def _step_jaxpr(tail, n=N, d=D):
     """The flat jaxpr of value_and_grad over the layers followed by `tail`
     (grads, weights, state) -> outputs, and its flat inputs."""
-    x, ws = rand(7, 3, D), _ws()
+    x = rand(7, 3, d)
+    ws = [(rand(10 + i, d, d) * 0.3, rand(20 + i, d, d) * 0.3, rand(30 + i, d) * 0.1)
+          for i in range(n)]
     state = tail.init(ws) if hasattr(tail, "init") else None
 
     def step(ws, state, x):
@@ -130,3 +126,35 @@ def test_an_index_mismatch_between_stacks_is_not_merged():
     out, _, stats = _check(lambda g, ws, _: [gi[0] * wj[0] for gi, wj in zip(g, ws[::-1])])
     assert stats.vectorized_eqns == 0
     assert _tail_counts(out)["mul"] >= N
+
+
+def test_hold_returns_its_input_bit_for_bit_on_both_loop_paths():
+    from jaxbackend.passes._stacks import hold
+    special = jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-45, -3.5], jnp.float32)
+    for last in (1.0, -0.0):   # first != last: the loop body runs once
+        x = jnp.concatenate([jnp.array([-0.0], jnp.float32), special, jnp.array([last])])
+        got = jax.jit(hold)(x)
+        assert got.dtype == x.dtype
+        assert (jax.lax.bitcast_convert_type(got, jnp.int32)
+                == jax.lax.bitcast_convert_type(x, jnp.int32)).all()
+    for x in (jnp.array([-1, 0, 7]), jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.bfloat16),
+              jnp.array([True, False]), jnp.array([1 + 2j, 3j], jnp.complex64), jnp.zeros((0, 2))):
+        got = jax.jit(hold)(x)
+        assert got.dtype == x.dtype and (got == x).all()
+
+
+def test_the_vectorised_update_is_not_recomputed_in_every_entry_read():
+    # Read entry by entry, a computed stack is materialised once: XLA:CPU
+    # drops optimization barriers, and without the hold it fused the AdamW
+    # chain into each layer's slice, one kernel per layer and weight kind.
+    import re
+
+    out = {}
+    for n in (4, 8):
+        closed, leaves = _step_jaxpr(_AdamW(), n=n, d=32)
+        rolled, stats = reroll_with_stats(closed, min_repeats=2)
+        assert stats.repeats == [n, n] and stats.vectorized
+        hlo = jax.jit(_jax.jaxpr_as_fun(rolled)).lower(*leaves).compile().as_text()
+        out[n] = len(re.findall(r"= \S+ (?:multiply|divide|sqrt)\(", hlo))
+    # the update's arithmetic does not grow with the number of layers
+    assert out[8] <= out[4] + 4, out
