@@ -231,7 +231,9 @@ def emit(walk, fam):
             # come from one materialised stack (`_stacks.hold`), which later
             # families read too: the loop's input then has no reader after
             # it, so XLA needs no copy of it
-            out, = walk.b.emit(_stacks.hold, [out], key="reroll.hold")
+            if out.aval.size:
+                out, = walk.b.emit(_stacks.hold, [out, walk.opaque_index(0, out)],
+                                   key="reroll.hold")
         walk.family_out[(id(fam), k)] = out
         walk.register(out, [m.outvars[k] for m in members])
     walk.stats.vectorized += 1

@@ -50,7 +50,7 @@ def opaque_indices(n: int, like):
     the counter, 0, on its only possible iteration), so the values are always
     0..n-1; the loop costs a few microseconds per call.
     """
-    first = lax.index_in_dim(like.reshape(-1), 0, keepdims=False)
+    first = corner(like, 0)
     trips = (first != first).astype(jnp.int32)
     init = (jnp.int32(0), tuple(jnp.int32(i) for i in range(n)))
     _, idx = lax.while_loop(lambda c: c[0] < trips,
@@ -58,7 +58,7 @@ def opaque_indices(n: int, like):
     return idx
 
 
-def hold(x):
+def hold(x, zero):
     """x, materialised once before its entries are read (`unstack_one`).
 
     Without it XLA fuses the element-wise chain that computed a stack (the
@@ -66,19 +66,26 @@ def hold(x):
     per layer and weight to compile (3 x 1024 at 64 layers, most of the
     compile time). `lax.optimization_barrier` does not stop that on XLA:CPU
     (JAX 0.10: the barrier is expanded away before fusion); a `while` loop
-    does. x goes through a loop whose trip count XLA cannot know (1 if x's
-    first and last elements differ, else 0) and whose body selects x when
-    its counter is 0, which it is on its only possible iteration. A select
-    moves bits without arithmetic (nothing to round, no subnormal flushed,
-    any dtype), so the result is x, bit for bit, on both paths.
+    does. x goes through a loop that runs `zero` times (an int32 scalar that
+    is 0 at run time but unknown to XLA: `opaque_indices(...)[0]`; a
+    replicated scalar, so no collective under a mesh) and whose body
+    selects x when its counter is 0, so it would return x had it run once.
+    A select moves bits without arithmetic (nothing rounds, no subnormal is
+    flushed, any dtype), so the result is x, bit for bit.
     """
     if not x.size:
         return x
-    flat = x.reshape(-1)
-    trips = (flat[0] != flat[-1]).astype(jnp.int32)
-    zero = jnp.zeros_like(x)
+    fill = jnp.zeros_like(x)
 
     def body(c):
-        return c[0] + 1, lax.select(jnp.broadcast_to(c[0] == 0, x.shape), c[1], zero)
+        return c[0] + 1, lax.select(jnp.broadcast_to(c[0] == 0, x.shape), c[1], fill)
 
-    return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), x))[1]
+    return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0), x))[1]
+
+
+def corner(x, at: int):
+    """The scalar at x[at, at, ...] (at 0 or -1) by one static slice: under a
+    mesh, flattening x first (`x.reshape(-1)[0]`) would make XLA gather the
+    whole of a sharded stack to read one element."""
+    start = tuple(0 if at == 0 else d - 1 for d in x.shape)
+    return lax.slice(x, start, tuple(i + 1 for i in start)).reshape(())

@@ -241,12 +241,19 @@ class _Walk:
         if not arr.aval.size:   # nothing to read, nor to compile: a static slice
             return self.b.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
                                 key=("reroll.index", idx))[0]
-        if self.indices is None:   # from a non-empty stack: the trip count reads an element
-            n = self.max_repeats
-            self.indices = self.b.emit(lambda like: _stacks.opaque_indices(n, like), [arr],
-                                        key=("reroll.opaque", n))
-        out, = self.b.emit(_stacks.unstack_one, [arr, self.indices[idx]], key="reroll.unstack")
+        out, = self.b.emit(_stacks.unstack_one, [arr, self.opaque_index(idx, arr)],
+                           key="reroll.unstack")
         return out
+
+    def opaque_index(self, idx, like):
+        """The opaque int32 scalar idx (`_stacks.opaque_indices`), made on
+        first use from `like`, a non-empty stack (its trip count reads one
+        element)."""
+        if self.indices is None:
+            n = self.max_repeats
+            self.indices = self.b.emit(lambda a: _stacks.opaque_indices(n, a), [like],
+                                        key=("reroll.opaque", n))
+        return self.indices[idx]
 
     def register(self, arr, vars_in_array_order):
         sid = len(self.stacks)
