@@ -35,7 +35,8 @@ later one also asks for:
   data) with its documented tensor-parallel axes (mlp, heads) on model.
 
 Run: `python benchmarks/sharded_scaling.py` (both sections; `--section depth`
-or `plans` for one, `--quick` for a smoke run that writes nothing).
+or `plans` for one, `--plan-layers 8` for the plans section at one depth,
+`--quick` for a smoke run that writes nothing).
 """
 
 from __future__ import annotations
@@ -234,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--section", choices=["depth", "plans", "all"], default="all")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, no BENCHMARKS.md")
+    ap.add_argument("--plan-layers", type=int, nargs="+", default=[8, 32],
+                    help="depths of the plans section (default: 8 32)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
         _child(a)
         return 0
     dims = dict(embd=128, heads=4, seq=256, batch=64)
-    depths, plan_depths, meshes = [4, 8, 16, 32], [8, 32], [(8,), (2, 4), (4, 2)]
+    depths, plan_depths, meshes = [4, 8, 16, 32], a.plan_layers, [(8,), (2, 4), (4, 2)]
     if a.quick:
         dims = dict(embd=32, heads=4, seq=16, batch=8)
         depths, plan_depths, meshes, a.repeat = [2, 4], [2], [(2, 4)], 1

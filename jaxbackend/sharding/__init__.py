@@ -14,7 +14,8 @@ alpha-beta collectives and per-device memory:
 Stages: `_mesh` (MeshSpec, HardwareProfile) -> `_graph` (jaxpr -> a frozen
 graph of ops over dim classes, union-find through unnamed code; the
 per-primitive dim rules of `_op_dims` register into its table) -> `_cost`
-(CostModel; `_liveness` for memory, `_ring` the collective formulas,
+(CostModel; `_liveness` for memory, `_op_facts` for bytes moved and
+combined all-reduces, `_ring` the collective formulas,
 `_breakdown` the Cost value) -> `_search` (exact search; `_tables`,
 `_bound`) -> `_plan` (Plan: data, no compiling); `_axis_rules` is what rules
 mean (normalise, PartitionSpecs, divisibility, masks); `_hlo` reads back

@@ -10,7 +10,9 @@ search polished by coordinate descent), or whose memory bound exceeds the
 budget, are dropped. Invariant: a bound never exceeds the true time
 (memory) of any completion, so every plan that fits and is no slower than
 the incumbent survives; the survivors, ranked as the exhaustive search
-ranks (`_tables.best_of`), give its plan.
+ranks (`_tables.best_of`), give its least time; a second pass with that
+time plus the tolerance as the bound keeps the plans the exhaustive search
+picks the least communication among (`_tables.least_comm`).
 
 Heuristics (stats["optimal"] False, stats["why"] says why): the incumbent,
 when the frontier would outgrow `FRONTIER_LIMIT` or the deadline passes; and
@@ -26,7 +28,8 @@ import time
 
 import numpy as np
 
-from jaxbackend.sharding._tables import GiB, NoPlanFits, Tables, best_of, masks_of, no_plan_fits
+from jaxbackend.sharding._tables import (GiB, NoPlanFits, Tables, best_of, least_comm, masks_of,
+                                         no_plan_fits)
 
 FRONTIER_LIMIT = 1 << 20     # partial plans the branch and bound may hold
 BEAM = 256                   # partial plans per level of the incumbent's beam search
@@ -112,12 +115,16 @@ class BranchAndBound:
         p0 = int(np.argmax(pts @ np.array([t.max() for t in tab.live]))) if tab.live else 0
         mem_tables = _merge(tab.summed + [pts[p0, g] * t for g, t in enumerate(tab.live) if pts[p0, g]])
         self.order = self._key_order(time_tables, n)
-        # bounds[d]: the tables' least entries over the keys unassigned at depth d
-        self.time_bounds, self.mem_bounds = [time_tables], [mem_tables]
-        for j in reversed(self.order):
-            for bounds in (self.time_bounds, self.mem_bounds):
-                bounds.insert(0, _merge([t.min(axis=j, keepdims=True) for t in bounds[0]]))
+        self.time_bounds, self.mem_bounds = self._bounds(time_tables), self._bounds(mem_tables)
+        self.comm_bounds = None   # made by the tolerance pass
         self.nodes, self.dropped_memory, self.stopped = 0, np.inf, None
+
+    def _bounds(self, tables):
+        """bounds[d]: the tables' least entries over the keys unassigned at depth d."""
+        bounds = [tables]
+        for j in reversed(self.order):
+            bounds.insert(0, _merge([t.min(axis=j, keepdims=True) for t in bounds[0]]))
+        return bounds
 
     @staticmethod
     def _key_order(tables, n):
@@ -137,10 +144,11 @@ class BranchAndBound:
             total = total + Tables.at(t, idx)
         return total
 
-    def _levels(self, ub, beam=None):
+    def _levels(self, ub, beam=None, comm_ub=None):
         """Complete plans whose bounds pass, keys assigned in `order`; with
-        `beam`, only that many best-bounded partial plans per level. None if
-        the frontier outgrows FRONTIER_LIMIT or the deadline passes."""
+        `beam`, only that many best-bounded partial plans per level; with
+        `comm_ub`, only those whose communication bound passes it too. None
+        if the frontier outgrows FRONTIER_LIMIT or the deadline passes."""
         shape = self.tab.shape
         idx = np.zeros((len(shape), 1), np.int64)
         for d, j in enumerate(self.order):
@@ -154,6 +162,8 @@ class BranchAndBound:
                 dropped = float(mlb[in_time & ~fits].min(initial=np.inf))
                 self.dropped_memory = min(self.dropped_memory, dropped)
             keep = in_time & fits
+            if comm_ub is not None:
+                keep &= self._bound(self.comm_bounds[d + 1], idx) <= comm_ub * (1 + _REL)
             idx, lb = idx[:, keep], lb[keep]
             if beam is not None and idx.shape[1] > beam:
                 idx = idx[:, np.sort(np.argpartition(lb, beam)[:beam])]
@@ -175,7 +185,10 @@ class BranchAndBound:
                              self.budget, self.deadline)
         return (plan, t, m) if m <= self.budget else (None, np.inf, None)
 
-    def run(self, heuristic_only=False):
+    def run(self, heuristic_only=False, tolerance=0.0):
+        """(plan, stats): the exhaustive search's plan, `tolerance` included
+        (a second pass keeps every plan within it of the least time; if that
+        pass stops, the least-time plan stands, stats["tolerance"] says so)."""
         plan, t, m = self._incumbent()
         if not heuristic_only:
             idx = self._levels(t)
@@ -186,8 +199,20 @@ class BranchAndBound:
                     no_plan_fits(min(least, self.dropped_memory), self.budget, at_least=True)
                 if best is None:   # only float slack can drop the incumbent itself
                     best, bt, bm = plan, t, m
-                return best, dict(method="branch_and_bound", optimal=True, time=bt, memory=bm,
-                                  nodes=self.nodes, survivors=int(idx.shape[1]))
+                stats = dict(method="branch_and_bound", optimal=True, time=bt, least_time=bt,
+                             memory=bm, nodes=self.nodes, survivors=int(idx.shape[1]))
+                near = idx
+                if tolerance > 0:   # plans within the tolerance that communicate no more than `best`
+                    self.comm_bounds = self._bounds(_merge(self.tab.comm))
+                    c_best = float(self.tab.comm_at(best[:, None])[0])
+                    near = self._levels(bt * (1 + tolerance), comm_ub=c_best)
+                if near is None:
+                    stats["tolerance"] = f"not applied: {self.stopped}"
+                else:
+                    best, stats["time"], stats["memory"] = least_comm(self.tab, near, self.budget,
+                                                                      bt, tolerance)
+                stats["nodes"] = self.nodes
+                return best, stats
         why = "forced" if heuristic_only else f"branch and bound stopped: {self.stopped}"
         if plan is None:
             least = float(sum(t.min() for t in self.mem_bounds[0]))

@@ -12,8 +12,9 @@ per-tensor exception: `scores(time, time_k)` with both names on `seq` keeps
 `seq` on `time` only).
 
 Per op (evaluated once per distinct op, times its multiplicity):
-* compute: flops / (devices sharing the iteration space) / peak, or bytes /
-  memory bandwidth for data movement, whichever is larger;
+* compute: flops / (devices sharing the iteration space) / peak, or bytes
+  moved / memory bandwidth, whichever is larger; the bytes are those XLA
+  moves, fusion, slices and bitcasts considered (`_op_facts.traffic`);
 * operand resharding: an operand sharded on a mesh axis that the op's
   iteration layout does not use on that axis is all-gathered (bytes = the
   gathered per-device buffer), once per variable for all its consumers (as
@@ -21,7 +22,9 @@ Per op (evaluated once per distinct op, times its multiplicity):
 * reduction: summed dims sharded on mesh axes leave partial sums: a
   reduce-scatter onto axes the result wants (if the backend emits one) and an
   all-reduce over the rest (this is where data-parallel gradient reductions
-  of replicated weights come from);
+  of replicated weights come from). XLA combines independent all-reduces
+  (weight gradients) into one per loop trip: such an all-reduce pays its
+  bytes and a share of one latency (`_op_facts.latency_shares`);
 * contractions try three iteration layouts (either operand's dims first,
   or the result's) and keep the cheapest, as XLA's SPMD partitioner chooses
   between gathering an operand and reducing a partial result; like XLA, an
@@ -50,7 +53,8 @@ import numpy as np
 
 from jaxbackend.sharding._breakdown import Collective, Cost
 from jaxbackend.sharding._graph import REPLICATED
-from jaxbackend.sharding._liveness import liveness
+from jaxbackend.sharding._liveness import fused_values, liveness
+from jaxbackend.sharding._op_facts import latency_shares, traffic
 from jaxbackend.sharding._ring import KINDS as KINDS
 from jaxbackend.sharding._ring import ring_time
 
@@ -75,6 +79,8 @@ class Sig(NamedTuple):
     outs: tuple       # Operand per result
     reduced: tuple
     flops: float
+    traffic: float    # bytes of the operands and results XLA materialises (unsharded)
+    latency_share: float   # of one latency, its all-reduce pays (`_op_facts`)
 
 
 class GatherGroup(NamedTuple):
@@ -110,13 +116,14 @@ class CostModel:
         # Distinct ops (layers repeat): signature -> [op, total multiplicity].
         sigs: dict = {}
         consumers: dict = {}   # var -> [(distinct op, operand position)], and its mult
-        for op in g.ops:
+        fused = fused_values(g)
+        for op, share in zip(g.ops, latency_shares(g)):
             if op.mult == 0:
                 continue
             sig = Sig(op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
                       tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
                       tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.outs),
-                      op.reduced, op.flops)
+                      op.reduced, op.flops, traffic(g, op, fused), share)
             if sig in sigs:
                 sigs[sig][1] += op.mult
             else:
@@ -163,17 +170,19 @@ class CostModel:
             s = s * gs[m]
         return s
 
-    def _coll(self, kind, mask, full_bytes):
+    def _coll(self, kind, mask, full_bytes, latency_share=1.0):
         """Time of one collective over the mesh group `mask` on a buffer of
-        `full_bytes` per device (gathered / unreduced size)."""
+        `full_bytes` per device (gathered / unreduced size), paying
+        `latency_share` of the latency (a combined all-reduce's share)."""
         ms = self.mesh
         return ring_time(kind, ms.group_size[mask], full_bytes, ms.group_bandwidth[mask],
-                         ms.group_latency[mask])
+                         ms.group_latency[mask] * latency_share)
 
     # -- one distinct op under N plans -------------------------------------------
     def op_cost(self, sig, masks, detail=False):
-        """(time without operand gathers, details, per-operand gather masks).
-        The iteration layout is chosen with the gathers counted."""
+        """(time without operand gathers, details, per-operand gather masks,
+        the compute part of that time). The iteration layout is chosen with
+        the gathers counted."""
         kind = sig.kind
         natural = list(range(len(sig.isizes)))
         orders = []
@@ -185,16 +194,17 @@ class CostModel:
             orders.append(natural)
         best = None
         for order in orders:
-            t, tg, d, ex = self._strategy(sig, masks, order, detail)
+            t, tg, d, ex, c = self._strategy(sig, masks, order, detail)
             if best is None:
-                best = (t, tg, d, ex)
+                best = (t, tg, d, ex, c)
                 continue
             # Like XLA's partitioner, keep operands in place (partial sums,
             # then a reduction) unless moving them is clearly cheaper.
             better = t + tg < PREFER_IN_PLACE * (best[0] + best[1])
             best = (np.where(better, t, best[0]), np.where(better, tg, best[1]),
-                    _pick(better, d, best[2]), [np.where(better, a, b) for a, b in zip(ex, best[3])])
-        return best[0], best[2], best[3]
+                    _pick(better, d, best[2]), [np.where(better, a, b) for a, b in zip(ex, best[3])],
+                    np.where(better, c, best[4]))
+        return best[0], best[2], best[3], best[4]
 
     def gather_cost(self, keys, nb, gmask, masks):
         """One all-gather of a tensor over the mesh axes `gmask`: (time, bytes)."""
@@ -238,7 +248,6 @@ class CostModel:
         comm = {k: zero for k in KINDS} if detail else None
         nbytes = {k: zero for k in KINDS} if detail else None
         t = t_in = zero
-        io_bytes = 0.0
         extras = []
         for keys, nb, amap in sig.ins:   # operand resharding (charged per variable)
             gather = 0
@@ -247,10 +256,8 @@ class CostModel:
                 gather = gather | (m & ~need)
             t_in = t_in + self.gather_cost(keys, nb, gather, masks)[0]
             extras.append(gather)
-            io_bytes += nb
         ishard = self._shard(imask)
         out_keys, out_nb, omap = sig.outs[0]
-        io_bytes += out_nb
         want = self.layout(out_keys, masks)
         produced = [imask[i] for i in omap]
         partial = out_nb / self._shard(produced)
@@ -267,7 +274,7 @@ class CostModel:
             ar = red & ~scatter
             n_sc = self.mesh.group_size[scatter]
             t_rs = self._coll("reduce-scatter", scatter, partial)
-            t_ar = self._coll("all-reduce", ar, partial / n_sc)
+            t_ar = self._coll("all-reduce", ar, partial / n_sc, sig.latency_share)
             t = t + t_rs + t_ar
             if detail:
                 comm["reduce-scatter"] = comm["reduce-scatter"] + t_rs
@@ -284,12 +291,12 @@ class CostModel:
         full = out_nb / shard_after
         tg = self._coll("all-gather", gather, full)
         t = t + tg
-        compute = np.maximum(sig.flops / p.peak_flops, io_bytes / p.mem_bandwidth) / ishard
+        compute = np.maximum(sig.flops / p.peak_flops, sig.traffic / p.mem_bandwidth) / ishard
         if detail:
             comm["all-gather"] = comm["all-gather"] + tg
             nbytes["all-gather"] = nbytes["all-gather"] + np.where(gather > 0, full, 0.0)
-            return t + compute, t_in, _Detail(compute + zero, comm, nbytes), extras
-        return t + compute, t_in, None, extras
+            return t + compute, t_in, _Detail(compute + zero, comm, nbytes), extras, compute
+        return t + compute, t_in, None, extras, compute
 
     # -- memory --------------------------------------------------------------
     def extras(self, masks):
@@ -336,28 +343,31 @@ class CostModel:
         return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
-    def time_terms(self, masks):
+    def time_terms(self, masks, comm=False):
         """`step_time` as a list of terms (per distinct op, times its
-        multiplicity; then per operand all-gather group), and the extras.
-        Under masks broadcast over a grid (one axis per searched key) a term
-        spans only the axes of the keys it depends on: what lets the search
-        bound partial plans."""
-        terms, extras = [], []
+        multiplicity; then per operand all-gather group), and the extras;
+        with `comm`, also the terms' communication parts (the search's
+        tie-break). Under masks broadcast over a grid (one axis per searched
+        key) a term spans only the axes of the keys it depends on: what lets
+        the search bound partial plans."""
+        terms, extras, comms = [], [], []
         for sig, mult in self.sigs:
-            t, _, ex = self.op_cost(sig, masks)
+            t, _, ex, c = self.op_cost(sig, masks)
             extras.append(ex)
             terms.append(mult * t)
+            comms.append(mult * (t - c))
         for grp in self.gather_groups:
             gm = self._group_mask(grp, extras)
             if np.any(gm):
                 terms.append(grp.mult * self.gather_cost(grp.keys, grp.nbytes, gm, masks)[0])
-        return terms, extras
+                comms.append(terms[-1])
+        return (terms, extras, comms) if comm else (terms, extras)
 
     def step_time(self, masks):
         """Modelled step time only (fast path; same model as `evaluate`)."""
         total, extras = 0.0, []
         for sig, mult in self.sigs:
-            t, _, ex = self.op_cost(sig, masks)
+            t, _, ex, _ = self.op_cost(sig, masks)
             extras.append(ex)
             total = total + mult * t
         return total + self._gathers(extras, masks, False)[0], extras
@@ -369,20 +379,24 @@ class CostModel:
         times, nbytes, counts = ({k: 0.0 for k in KINDS} for _ in range(3))
         extras = []
         for sig, mult in self.sigs:
-            t, d, ex = self.op_cost(sig, masks, detail=True)
+            t, d, ex, _ = self.op_cost(sig, masks, detail=True)
             extras.append(ex)
             total = total + mult * t
             compute = compute + mult * d.compute
             for k in KINDS:
                 times[k] = times[k] + mult * d.time[k]
                 nbytes[k] = nbytes[k] + mult * d.nbytes[k]
-                counts[k] = counts[k] + mult * ((d.nbytes[k] > 0) * 1.0)
+                # combined all-reduces count as their share of one
+                n = mult * sig.latency_share if k == "all-reduce" else mult
+                counts[k] = counts[k] + n * ((d.nbytes[k] > 0) * 1.0)
         tg, bg, ng = self._gathers(extras, masks, True)
         total = total + tg
         k = "all-gather"
         times[k], nbytes[k], counts[k] = times[k] + tg, nbytes[k] + bg, counts[k] + ng
         fixed, temp = self.memory(masks, extras)
-        colls = {k: Collective(float(times[k]), float(nbytes[k]), float(counts[k])) for k in KINDS}
+        # counts: shares of combined all-reduces summed (1/3 * 6 is 2, not 1.9999999999999998)
+        colls = {k: Collective(float(times[k]), float(nbytes[k]), round(float(counts[k]), 9))
+                 for k in KINDS}
         return Cost(time=float(total), compute=float(compute),
                     communication=sum(c.time for c in colls.values()),
                     memory=float(fixed + temp), memory_fixed=float(fixed), memory_temp=float(temp),

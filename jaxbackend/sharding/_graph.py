@@ -61,6 +61,7 @@ class Op(NamedTuple):
     outs: tuple
     reduced: tuple     # iteration dims summed over
     flops: float       # unsharded
+    bitcast: bool = False   # moves no data (reshape, squeeze: XLA emits a bitcast)
 
 
 # -- the dim rules: `rule(builder, eqn, ins, outs, mult)` unifies the

@@ -34,13 +34,11 @@ class Liveness(NamedTuple):
     mem_points: np.ndarray  # program points x groups: temporaries live
 
 
-def liveness(g, var_keys, donated=()) -> Liveness:
-    """The `Liveness` of graph `g` whose variable v has layout keys
-    `var_keys[v]`; `donated`: the graph inputs whose buffers results may reuse."""
-    born = [-1] * len(g.shapes)
-    for i, op in enumerate(g.ops):
-        for v, _ in op.outs:
-            born[v] = i
+def fused_values(g) -> set:
+    """The variables of `g` XLA does not materialise (see the module
+    docstring): dead values, constants, and elementwise results fused into
+    their one elementwise reader. The cost model charges memory traffic only
+    for the others (`_cost`)."""
     fused = set()
     consumers: dict = {}
     for op in g.ops:
@@ -59,6 +57,18 @@ def liveness(g, var_keys, donated=()) -> Liveness:
                 if (readers and v not in g.pinned and v not in outs
                         and all(k == "map" for k in readers) and len(readers) <= FUSE_MAX_USES):
                     fused.add(v)
+    return fused
+
+
+def liveness(g, var_keys, donated=()) -> Liveness:
+    """The `Liveness` of graph `g` whose variable v has layout keys
+    `var_keys[v]`; `donated`: the graph inputs whose buffers results may reuse."""
+    born = [-1] * len(g.shapes)
+    for i, op in enumerate(g.ops):
+        for v, _ in op.outs:
+            born[v] = i
+    fused = fused_values(g)
+    ins, outs = set(g.invars), set(g.outvars)
     groups: dict = {}
     fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins]
     free: dict = {}   # (keys, nbytes) -> donated buffers no result reuses yet

@@ -36,14 +36,15 @@ def _numel(g, v) -> int:
     return math.prod(g.shapes[v]) if v is not None else 1
 
 
-def _map_op(g, ins_maps, out, mult, kind="map", extra=(), reduced=(), flops=None):
-    """Iteration dims = `out`'s axes (+ `extra` (var, axis) positions)."""
+def _map_op(g, ins_maps, out, mult, kind="map", extra=(), reduced=(), flops=None, bitcast=False):
+    """Iteration dims = `out`'s axes (+ `extra` (var, axis) positions);
+    `bitcast`: the op moves no data (a row-major reshape or squeeze)."""
     n = len(g.shapes[out])
     iclass = tuple((out, a) for a in range(n)) + tuple(extra)
     isizes = tuple(g.shapes[out]) + tuple(g.shapes[v][a] for v, a in extra)
     op = Op(kind=kind, mult=mult, isizes=isizes, iclass=iclass, ins=tuple(ins_maps),
             outs=((out, tuple(range(n))),), reduced=tuple(reduced),
-            flops=float(_numel(g, out) if flops is None else flops))
+            flops=float(_numel(g, out) if flops is None else flops), bitcast=bitcast)
     g.ops.append(op)
     return op
 
@@ -114,7 +115,7 @@ def _squeeze(g, eqn, ins, outs, mult):
             g.union(v, a, out, j)
             m.append(j)
             j += 1
-    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0, bitcast=True)
 
 
 @register("reshape")
@@ -148,7 +149,7 @@ def _reshape(g, eqn, ins, outs, mult):
         m[gi[0]] = gj[0]
         for a in gi[1:]:
             m[a] = REPLICATED
-    _map_op(g, [(v, tuple(m))], out, mult, flops=0)
+    _map_op(g, [(v, tuple(m))], out, mult, flops=0, bitcast=True)
 
 
 @register(*_REDUCTIONS)

@@ -161,8 +161,12 @@ class Plan:
             lines.append(f"| {k} | {c.collective(k).time * 1e3:.4g} | {c.collective(k).bytes:.4g} | {c.collective(k).count:g} |")
         lines += [f"| step (modelled) | {c.time * 1e3:.4g} | | |",
                   f"| memory/device | | {c.memory:.4g} | |"]
-        if (self.stats or {}).get("optimal") is False:
-            lines.append(f"search: {self.stats['method']}, NOT proven optimal ({self.stats['why']})")
+        st = self.stats or {}
+        if st.get("optimal") is False:
+            lines.append(f"search: {st['method']}, NOT proven optimal ({st['why']})")
+        elif st.get("time", 0.0) > st.get("least_time", np.inf):
+            lines.append(f"search: the least communication within {_search.TOLERANCE:.0%} of the "
+                         f"least modelled time ({st['least_time'] * 1e3:.4g} ms)")
         for where, dim, axes in self.exceptions:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
         return "\n".join(lines)
@@ -189,6 +193,9 @@ class Plan:
         else:
             proven = ("proven optimal" if st.get("optimal")
                       else f"NOT proven optimal ({st.get('why')})")
+            if st.get("optimal") and st.get("time", 0.0) > st.get("least_time", np.inf):
+                proven += (f" (the least communication within {_search.TOLERANCE:.0%} of the least "
+                           f"modelled time, {st['least_time'] * 1e3:.4g} ms)")
             parts.append(_html.note(f"search: {st.get('method')}, {proven}, over "
                                     f"{st.get('candidates', 0):,} rule sets "
                                     f"in {st.get('seconds', 0.0):.3g} s"))

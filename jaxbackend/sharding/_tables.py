@@ -14,8 +14,10 @@ memory are lookups that reproduce `CostModel.step_time` and `memory`.
 
 Ranking, shared by every method so they agree to the bit: plans in order of
 time (summed term by term in one fixed order), ties by grid order (fewer and
-earlier mesh axes first); the first that fits the budget wins. It leaves the
-cost model alone.
+earlier mesh axes first); the first that fits the budget wins. Then
+`least_comm`: among the plans that fit within a tolerance of that time, the
+least communication (`_search.TOLERANCE` says why). It leaves the cost
+model alone.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class Tables:
         self.shape = tuple(len(o) for o in options)
         n = len(keys)
         masks = grid_masks(cm, keys, options, base)
-        terms, extras = cm.time_terms(masks)
+        terms, extras, comm = cm.time_terms(masks, comm=True)
         self.time = [_as_grid(t, n) for t in terms]
+        self.comm = [_as_grid(t, n) for t in comm]
         fixed, weights, live, transient = cm.memory_terms(masks, extras)
         self.summed = [_as_grid(t, n) for t in fixed + weights]
         self.live = [_as_grid(t, n) for t in live]
@@ -100,6 +103,13 @@ class Tables:
         """Modelled step time of plans `idx` (summed as `grid` sums)."""
         total = np.zeros(idx.shape[1:])
         for t in self.time:
+            total = total + self.at(t, idx)
+        return total
+
+    def comm_at(self, idx):
+        """Modelled communication time of plans `idx` (the time's part)."""
+        total = np.zeros(idx.shape[1:])
+        for t in self.comm:
             total = total + self.at(t, idx)
         return total
 
@@ -176,6 +186,25 @@ def best_of(tab, idx, budget):
     if pos is None:
         return None, None, None, least
     return idx[:, pos], float(times[pos]), mem, least
+
+
+def least_comm(tab, idx, budget, best_time, tolerance):
+    """Among plans `idx` whose time is within `tolerance` (relative) of
+    `best_time` and that fit the budget: the one with the least modelled
+    communication, ties by time, then grid order. (plan, time, memory), or
+    Nones if none fits."""
+    times = tab.time_at(idx)
+    near = times <= best_time * (1 + tolerance) * (1 + 1e-12)
+    idx, times = idx[:, near], times[near]
+    if idx.shape[1] == 0:
+        return None, None, None
+    comm = tab.comm_at(idx)
+    order = np.lexsort(tuple(idx[::-1]) + (times, comm))
+    idx, times = idx[:, order], times[order]
+    pos, mem, _ = first_fit(tab, lambda a, b: idx[:, a:b], idx.shape[1], budget)
+    if pos is None:
+        return None, None, None
+    return idx[:, pos], float(times[pos]), mem
 
 
 def no_plan_fits(least, budget, at_least=False):

@@ -8,7 +8,7 @@ import pytest
 
 import jaxbackend as jb
 from jaxbackend import sharding, testing
-from jaxbackend.sharding import _hlo
+from jaxbackend.sharding import _hlo, _search
 from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -71,6 +71,8 @@ def test_predicted_collectives_match_compiled_hlo(compiled, name):
     assert _dominant(pred_bytes, p) == _dominant(hlo_bytes, h)
     # Every kind the model predicts is emitted (counts differ by XLA's combiner).
     assert all(hlo[k]["count"] > 0 for k in KINDS if pred_bytes[k] > 0.1 * p)
+    if name == "data parallel":   # the gradient all-reduces, combined as XLA combines them
+        assert round(plan.cost.all_reduce.count) == hlo["all-reduce"]["count"]
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -82,9 +84,9 @@ def test_predicted_memory_matches_memory_analysis(compiled, name):
 
 
 def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
-    """Quality on (2,4): the searched plan's modelled time, and its time with
-    the collectives XLA actually emitted, are no more than Megatron / FSDP /
-    data parallel."""
+    """Quality on (2,4): the searched plan's modelled time (within the
+    search's tie tolerance), and its time with the collectives XLA actually
+    emitted, are no more than Megatron / FSDP / data parallel."""
     rows = []
     for name in ("searched", "megatron", "fsdp", "data parallel"):
         plan, _, comp = compiled[name]
@@ -95,8 +97,8 @@ def test_searched_plan_is_no_worse_in_compiled_collectives(compiled):
     print("\n| plan | modelled step (ms) | with HLO collectives (ms) | HLO collective bytes | rules |")
     for r in rows:
         print(f"| {r[0]} | {r[1] * 1e3:.4f} | {r[2] * 1e3:.4f} | {r[3]} | {r[4]} |")
-    for r in rows[1:]:
-        assert rows[0][1] <= r[1] * (1 + 1e-12), r[0]
+    for r in rows[1:]:   # within the search's tie tolerance (least communication among ties)
+        assert rows[0][1] <= r[1] * (1 + _search.TOLERANCE) * (1 + 1e-12), r[0]
         assert rows[0][2] <= r[2] * (1 + 1e-9), r[0]
 
 

@@ -11,6 +11,7 @@ import jaxbackend as jb
 from jaxbackend import sharding
 from jaxbackend.programs import llama
 from jaxbackend.sharding import _plan, _search
+from jaxbackend.sharding._tables import Tables
 from tests.sharding._baselines import DATA_PARALLEL, FSDP, MEGATRON
 
 
@@ -99,14 +100,16 @@ def test_searched_plan_beats_baselines_under_the_model(block, mesh24, profile):
     print(f"\n{profile}: plan | modelled step (ms) | memory/device (B)")
     for name, p in rows:
         print(f"{name} | {p.cost.time * 1e3:.4f} | {p.cost.memory:.0f} | {p.rules}")
-    for name, p in rows[1:]:
-        assert plan.cost.time <= p.cost.time * (1 + 1e-12), name
+    for name, p in rows[1:]:   # within the tie tolerance (least communication among ties)
+        assert plan.cost.time <= p.cost.time * (1 + _search.TOLERANCE) * (1 + 1e-12), name
 
 
-def test_tight_budget_shards_weights(block, mesh24):
+def test_tight_budget_shards_inputs(block, mesh24):
     """On the H100 profile the tiny block's best plan replicates everything
     (latency beats splitting microseconds of compute); under half that
-    memory the search must shard weights, and XLA's memory agrees."""
+    memory the search must shard inputs (weights, or the batch: since the
+    gradient all-reduces are combined into one, data parallel is cheap),
+    and XLA's memory agrees."""
     step, args = block["step"], block["args"]
     free = sharding.plan(step, *args, mesh=mesh24, profile="h100")
     n_params = len(free.model.g.invars) - 2
@@ -116,8 +119,8 @@ def test_tight_budget_shards_weights(block, mesh24):
     print("\n" + plan.table())
     assert plan.cost.memory <= budget
     assert plan.cost.time >= free.cost.time
-    sharded = [s for s in plan.in_specs()[:n_params] if any(a is not None for a in s)]
-    assert sharded, "some weight must be sharded to fit"
+    sharded = [s for s in plan.in_specs() if any(a is not None for a in s)]
+    assert sharded, "some input must be sharded to fit"
     compiled = jb.jit(step, mesh=mesh24, rules=plan, passes=()).lower(*args).compile()
     assert sharding.hlo_memory(compiled)["total"] <= 1.25 * budget
 
@@ -126,3 +129,26 @@ def test_no_plan_fits_says_by_how_much(block, mesh24):
     with pytest.raises(sharding.NoPlanFits, match=r"needs [\d.]+ GiB per device, budget [\d.]+ GiB, "
                                                  r"short by [\d.]+ GiB"):
         sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=1000)
+
+
+@pytest.mark.parametrize("tolerance", [_search.TOLERANCE, 0.1])
+def test_within_the_tolerance_the_least_communication_wins(small, tolerance):
+    """Plans within `tolerance` of the least modelled time are the model's
+    tie; among them the search takes the least communication (at 10% here
+    the replicated plan, no collectives, beats batch -> x), checked over the
+    whole grid; the branch and bound agrees with the exhaustive search."""
+    step, args = small
+    cm = _model(step, args, sharding.MeshSpec(("x", "y"), (2, 2), "cpu"))
+    keys, options = _search.search_space(cm)
+    tab = Tables(cm, keys, options)
+    times = tab.grid().ravel()
+    comm = sum(np.broadcast_to(t, tab.shape) for t in tab.comm).ravel()
+    least = times.min()
+    masks, stats = _search.search(cm, tolerance=tolerance)
+    found = cm.evaluate(masks)
+    assert stats["least_time"] == pytest.approx(least, rel=1e-9)
+    assert found.time <= least * (1 + tolerance) * (1 + 1e-9)
+    near = times <= least * (1 + tolerance) * (1 - 1e-9)
+    assert found.communication <= comm[near].min() * (1 + 1e-9) + 1e-15
+    bb, _ = _search.search(cm, method="branch_and_bound", tolerance=tolerance)
+    assert bb == masks
