@@ -33,7 +33,7 @@ def latency_shares(g) -> list:
     # An op that sums no dim of size > 1 (a reduction over size-1 axes) can
     # leave no partial sums: it passes values on like an elementwise op.
     sums = [op.kind != "map" and any(op.isizes[i] > 1 for i in op.reduced) for op in g.ops]
-    feeds = set()   # vars read by a summing op, directly or through other ops
+    feeds: set = set()   # vars read by a summing op, directly or through other ops
     for op, s in zip(reversed(g.ops), reversed(sums)):   # program order: readers after writers
         if s or any(v in feeds for v, _ in op.outs):
             feeds.update(v for v, _ in op.ins)
