@@ -1,6 +1,6 @@
-"""The cost model's terms that decide data parallel against sharded weights
-(issue 12), checked on small programs without compiling, and on the GPT
-AdamW step compiled: memory traffic of fused elementwise chains, slices and
+"""The cost model's terms that decide data parallel against sharded weights,
+checked on small programs without compiling, and on the GPT AdamW step
+compiled: memory traffic of fused elementwise chains, slices and
 reshapes, and XLA's combined gradient all-reduce."""
 
 import dataclasses
