@@ -11,6 +11,7 @@ import fcntl
 import os
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -38,6 +39,44 @@ def median_time(fn, *, repeat: int = 5, number: int = 1) -> float:
             fn()
         runs.append((time.perf_counter() - t0) / number)
     return statistics.median(runs)
+
+
+def compiled_cost(fn, args, *, repeat: int) -> dict:
+    """`fn` (a jit object) compiled for `args`: XLA `cost_analysis()` flops
+    and bytes accessed, `fusion(` instructions in the compiled HLO, and the
+    median wall time of the compiled call in microseconds (3 calls, median
+    of `repeat` runs, after one warm-up call)."""
+    import jax
+
+    compiled = fn.lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    run = lambda: jax.block_until_ready(compiled(*args))  # noqa: E731
+    run()
+    t = median_time(run, repeat=repeat, number=3)
+    return dict(flops=float(cost.get("flops", 0.0)), bytes=float(cost.get("bytes accessed", 0.0)),
+                fusions=len(re.findall(r"\bfusion\(", compiled.as_text())), us=t * 1e6)
+
+
+def sized_main(argv, *, doc: str, sizes, quick_sizes, run, render, section: str, title: str) -> int:
+    """The command line of a benchmark over one size tuple: `--quick` runs
+    `quick_sizes` (3 timing runs) and writes nothing; otherwise `sizes`
+    (7 runs), and the table goes to section `{section}_{platform}` of
+    BENCHMARKS.md under `{title} ({platform}: {device kind})`."""
+    import argparse
+
+    import jax
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes; does not write BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    chosen = quick_sizes if args.quick else sizes
+    body = render(run(chosen, repeat=3 if args.quick else 7), chosen)
+    print(body)
+    if not args.quick:
+        dev = jax.devices()[0]
+        write_section(f"{section}_{dev.platform}", f"{title} ({dev.platform}: {dev.device_kind})", body)
+    return 0
 
 
 def table(headers, rows) -> str:

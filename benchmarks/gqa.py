@@ -19,7 +19,6 @@ Run: python benchmarks/gqa.py [--quick]   (--quick: tiny sizes, no BENCHMARKS.md
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
@@ -44,17 +43,6 @@ MODES = {"forward": lambda f: f,
          "value_and_grad": lambda f: jax.value_and_grad(P.gqa_loss(f), argnums=(0, 1, 2))}
 
 
-def measure(fn, args, repeat):
-    compiled = fn.lower(*args).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    run = lambda: jax.block_until_ready(compiled(*args))  # noqa: E731
-    run()
-    t = _report.median_time(run, repeat=repeat, number=3)
-    return dict(flops=float(cost.get("flops", 0.0)), bytes=float(cost.get("bytes accessed", 0.0)),
-                us=t * 1e6)
-
-
 def run(sizes, repeat):
     args = P.gqa_args(*sizes)
     results = {}
@@ -62,8 +50,8 @@ def run(sizes, repeat):
         for form, fn in FORMS.items():
             compilers = ("jax.jit", "jb.jit") if fn is P.gqa_grouped else COMPILERS
             for compiler in compilers:
-                results[(mode, form, compiler)] = measure(COMPILERS[compiler](wrap(fn)), args,
-                                                          repeat)
+                results[(mode, form, compiler)] = _report.compiled_cost(
+                    COMPILERS[compiler](wrap(fn)), args, repeat=repeat)
         # the rewritten repeat form computes the hand-written grouped form
         ref = wrap(P.gqa_grouped)
         assert_close(jb.jit(wrap(P.gqa_repeat))(*args), jax.jit(ref)(*args),
@@ -107,18 +95,9 @@ def render(results, sizes):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes; does not write BENCHMARKS.md")
-    args = ap.parse_args(argv)
-    sizes = (1, 8, 2, 2, 4) if args.quick else (2, 256, 2, 4, 128)
-    results = run(sizes, repeat=3 if args.quick else 7)
-    body = render(results, sizes)
-    print(body)
-    if not args.quick:
-        dev = jax.devices()[0]
-        _report.write_section(f"gqa_{dev.platform}", f"GQA with repeated KV heads: group_heads "
-                              f"({dev.platform}: {dev.device_kind})", body)
-    return 0
+    return _report.sized_main(argv, doc=__doc__, sizes=(2, 256, 2, 4, 128), quick_sizes=(1, 8, 2, 2, 4),
+                              run=run, render=render, section="gqa",
+                              title="GQA with repeated KV heads: group_heads")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,7 @@ Run: python benchmarks/xsa.py [--quick]   (--quick: tiny sizes, no BENCHMARKS.md
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -74,23 +72,6 @@ def _with_grad(form):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def fusion_count(hlo_text: str) -> int:
-    """Fusion instructions in a compiled HLO module (kLoop/kInput/kOutput...)."""
-    return len(re.findall(r"\bfusion\(", hlo_text))
-
-
-def measure(fn, args, repeat):
-    compiled = fn.lower(*args).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    run = lambda: jax.block_until_ready(compiled(*args))  # noqa: E731
-    run()
-    t = _report.median_time(run, repeat=repeat, number=3)
-    return dict(flops=float(cost.get("flops", 0.0)),
-                bytes=float(cost.get("bytes accessed", 0.0)),
-                fusions=fusion_count(compiled.as_text()), us=t * 1e6)
-
-
 def run(sizes, repeat):
     key = jax.random.split(jax.random.key(0), 2)
     b, t, kv, g, hd = sizes
@@ -106,7 +87,8 @@ def run(sizes, repeat):
             if form_name in EXPAND_FORMS:
                 jits.append(("jb.jit rt", _jb_rt))
             for compiler, jit in jits:
-                results[(mode, form_name, compiler)] = measure(jit(wrap(form)), args, repeat)
+                results[(mode, form_name, compiler)] = _report.compiled_cost(jit(wrap(form)), args,
+                                                                            repeat=repeat)
                 if compiler != "jax.jit":
                     # every form and compiler computes the unsqueeze form's values
                     out = jax.tree.map(lambda a, r: a.reshape(r.shape), jit(wrap(form))(*args), ref)
@@ -148,18 +130,9 @@ def render(results, sizes):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes; does not write BENCHMARKS.md")
-    args = ap.parse_args(argv)
-    sizes = (1, 8, 2, 2, 8) if args.quick else (4, 256, 4, 4, 64)
-    results = run(sizes, repeat=3 if args.quick else 7)
-    body = render(results, sizes)
-    print(body)
-    if not args.quick:
-        dev = jax.devices()[0]
-        _report.write_section(f"xsa_{dev.platform}", f"XSA projection: expand vs unsqueeze "
-                              f"({dev.platform}: {dev.device_kind})", body)
-    return 0
+    return _report.sized_main(argv, doc=__doc__, sizes=(4, 256, 4, 4, 64), quick_sizes=(1, 8, 2, 2, 8),
+                              run=run, render=render, section="xsa",
+                              title="XSA projection: expand vs unsqueeze")
 
 
 if __name__ == "__main__":
