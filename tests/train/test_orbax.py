@@ -3,9 +3,7 @@ across a 2-process cluster (save, restore, resume training bit-exact), onto
 a 4-device mesh, asynchronous saves of donated buffers, keep-last-N."""
 
 import json
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -15,21 +13,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxbackend.train import TrainConfig, _checkpoint, train
+from tests._cluster import run_two, worker_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("_ckpt_worker.py")
-
-
-def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sharded(mesh, spec, shape, seed):
@@ -54,19 +40,7 @@ def test_sharded_state_round_trips_per_shard_on_8_devices(tmp_path):
 
 
 def test_two_processes_save_restore_and_resume_bit_exact(tmp_path):
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port),
-                               str(tmp_path / "ckpt")], env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n----\n".join(logs)[-4000:]
+    logs = run_two(WORKER, lambda i, port: ["mp", str(i), str(port), str(tmp_path / "ckpt")])
     assert all(f"mp ok {i}" in log for i, log in enumerate(logs))
     assert _checkpoint.steps(tmp_path / "ckpt") == [2, 4]
     # Each process wrote its own shards.
@@ -87,7 +61,7 @@ def test_restore_onto_a_4_device_mesh(tmp_path):
                out=str(tmp_path / "run"))
     train(TrainConfig(**cfg, devices=8), log=lambda s: None)
     (tmp_path / "run.json").write_text(json.dumps(cfg))
-    r = subprocess.run([sys.executable, str(WORKER), "remesh", str(tmp_path)], env=_env(),
+    r = subprocess.run([sys.executable, str(WORKER), "remesh", str(tmp_path)], env=worker_env(),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     report = json.loads((tmp_path / "remesh.json").read_text())
