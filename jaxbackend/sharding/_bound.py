@@ -137,13 +137,6 @@ class BranchAndBound:
                     spread[j] += r.max() - r.min()
         return [int(j) for j in np.argsort(-spread, kind="stable")]
 
-    @staticmethod
-    def _bound(tables, idx):
-        total = 0.0
-        for t in tables:
-            total = total + Tables.at(t, idx)
-        return total
-
     def _levels(self, ub, beam=None, comm_ub=None):
         """Complete plans whose bounds pass, keys assigned in `order`; with
         `beam`, only that many best-bounded partial plans per level; with
@@ -155,15 +148,15 @@ class BranchAndBound:
             idx = np.repeat(idx, shape[j], axis=1)
             idx[j] = np.tile(np.arange(shape[j]), idx.shape[1] // shape[j])
             self.nodes += idx.shape[1]
-            lb = self._bound(self.time_bounds[d + 1], idx)
-            mlb = self._bound(self.mem_bounds[d + 1], idx)
+            lb = Tables.sum_at(self.time_bounds[d + 1], idx)
+            mlb = Tables.sum_at(self.mem_bounds[d + 1], idx)
             in_time, fits = lb <= ub * (1 + _REL), mlb <= self.budget * (1 + _REL)
             if beam is None:   # for the message if nothing fits: the least memory dropped
                 dropped = float(mlb[in_time & ~fits].min(initial=np.inf))
                 self.dropped_memory = min(self.dropped_memory, dropped)
             keep = in_time & fits
             if comm_ub is not None:
-                keep &= self._bound(self.comm_bounds[d + 1], idx) <= comm_ub * (1 + _REL)
+                keep &= Tables.sum_at(self.comm_bounds[d + 1], idx) <= comm_ub * (1 + _REL)
             idx, lb = idx[:, keep], lb[keep]
             if beam is not None and idx.shape[1] > beam:
                 idx = idx[:, np.sort(np.argpartition(lb, beam)[:beam])]

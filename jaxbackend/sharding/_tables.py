@@ -99,25 +99,25 @@ class Tables:
         return np.broadcast_to(table[tuple(i if s > 1 else 0 for i, s in zip(idx, table.shape))],
                                idx.shape[1:])
 
+    @classmethod
+    def sum_at(cls, tables, idx):
+        """The sum of `tables`' entries at plans `idx`, term by term in order."""
+        total = np.zeros(idx.shape[1:])
+        for t in tables:
+            total = total + cls.at(t, idx)
+        return total
+
     def time_at(self, idx):
         """Modelled step time of plans `idx` (summed as `grid` sums)."""
-        total = np.zeros(idx.shape[1:])
-        for t in self.time:
-            total = total + self.at(t, idx)
-        return total
+        return self.sum_at(self.time, idx)
 
     def comm_at(self, idx):
         """Modelled communication time of plans `idx` (the time's part)."""
-        total = np.zeros(idx.shape[1:])
-        for t in self.comm:
-            total = total + self.at(t, idx)
-        return total
+        return self.sum_at(self.comm, idx)
 
     def memory_at(self, idx):
         """Memory per device of plans `idx` (as `CostModel.memory`)."""
-        total = np.zeros(idx.shape[1:])
-        for t in self._summed:
-            total = total + self.at(t, idx)
+        total = self.sum_at(self._summed, idx)
         other = 0.0
         for t in self._transient:
             other = np.maximum(other, self.at(t, idx))
