@@ -343,11 +343,10 @@ class CostModel:
         return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
-    def time_terms(self, masks, comm=False):
+    def time_terms(self, masks):
         """`step_time` as a list of terms (per distinct op, times its
-        multiplicity; then per operand all-gather group), and the extras;
-        with `comm`, also the terms' communication parts (the search's
-        tie-break). Under masks broadcast over a grid (one axis per searched
+        multiplicity; then per operand all-gather group), the extras, and the
+        terms' communication parts (the search's tie-break). Under masks broadcast over a grid (one axis per searched
         key) a term spans only the axes of the keys it depends on: what lets
         the search bound partial plans."""
         terms, extras, comms = [], [], []
@@ -361,7 +360,7 @@ class CostModel:
             if np.any(gm):
                 terms.append(grp.mult * self.gather_cost(grp.keys, grp.nbytes, gm, masks)[0])
                 comms.append(terms[-1])
-        return (terms, extras, comms) if comm else (terms, extras)
+        return terms, extras, comms
 
     def step_time(self, masks):
         """Modelled step time only (fast path; same model as `evaluate`)."""

@@ -79,7 +79,7 @@ class Tables:
         self.shape = tuple(len(o) for o in options)
         n = len(keys)
         masks = grid_masks(cm, keys, options, base)
-        terms, extras, comm = cm.time_terms(masks, comm=True)
+        terms, extras, comm = cm.time_terms(masks)
         self.time = [_as_grid(t, n) for t in terms]
         self.comm = [_as_grid(t, n) for t in comm]
         fixed, weights, live, transient = cm.memory_terms(masks, extras)
@@ -152,7 +152,7 @@ def table_entries(cm, keys, options):
     two options per key (a term's shape shows which keys it depends on)."""
     n = len(keys)
     probe = grid_masks(cm, keys, [o[:2] for o in options])
-    terms, extras = cm.time_terms(probe)
+    terms, extras, _ = cm.time_terms(probe)
     total = 0
     for t in terms + [x for part in cm.memory_terms(probe, extras) for x in part]:
         total += math.prod(len(o) for o, s in zip(options, _as_grid(t, n).shape) if s > 1)
