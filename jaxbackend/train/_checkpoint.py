@@ -24,9 +24,10 @@ Loading checks the records against the template before reading any array
 (errors name the path, shape and dtype), then recomputes each checksum on
 the restored arrays, so truncated or flipped bytes are a `CheckpointError`
 (a one-line `ValueError`), never a half-right state. The checksum is
-`sum(bits[i] * (2654435761 * i + 1)) mod 2**32` over the leaf's bit
-pattern: the weights are odd, so any single flipped bit changes it, and
-positional, so swapped elements do too. It is computed on the devices as
+`sum(bits[i] * 2654435761 * (2 * i + 1)) mod 2**32` over the leaf's bit
+pattern: every weight is odd (odd times odd), so any single flipped bit,
+the sign bit included, changes it, and the weights are distinct (i < 2**31),
+so swapped elements do too. It is computed on the devices as
 a sharded reduction (four bytes per leaf leave them).
 
 Typed PRNG key leaves (as in `nnx.state(model)`) are saved as their
@@ -74,6 +75,9 @@ class Checkpointer:
         """Starts writing `state` (a pytree of arrays) and `meta` (JSON-able)
         as `step`; returns the step's folder (final once `wait` returns)."""
         arrays, records = _to_savable(state)
+        # A copy: orbax serialises it in the background, while the caller may
+        # go on appending to lists it holds (the loss history).
+        meta = json.loads(json.dumps(meta))
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta),
             arrays=ocp.args.JsonSave(records)), force=True)
@@ -137,7 +141,8 @@ def _checksum(x):
     index = jnp.zeros(bits.shape, jnp.uint32)
     for d, n in enumerate(bits.shape):
         index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
-    return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+    weight = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(2654435761)   # odd
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
 def _checksums(leaves) -> list:

@@ -211,7 +211,8 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     ckpt = pathlib.Path(cfg.out) / CKPT_NAME
     if cfg.keep < 1:
         raise ValueError(f"keep={cfg.keep} would delete every checkpoint; keep at least 1.")
-    for tmp in _checkpoint.remove_stale_tmp(ckpt):
+    # one process deletes (every process of a run sees the same folder)
+    for tmp in _checkpoint.remove_stale_tmp(ckpt) if jax.process_index() == 0 else ():
         say(f"removed {tmp} (left by a run killed while saving)")
     if cfg.resume:  # fail fast on a missing or unreadable checkpoint
         _checkpoint.read_meta(ckpt)

@@ -52,6 +52,28 @@ def test_checkpoint_roundtrip(tmp_path):
     assert flat["['n'][1]"].dtype == jnp.bfloat16
 
 
+def test_checksum_changes_with_any_single_flipped_bit_and_with_order():
+    # every bit of every element, the float32 sign bit at odd positions included
+    x = np.arange(1.0, 9.0, dtype=np.float32)
+    base = int(_checkpoint._checksum(jnp.asarray(x)))
+    bits = x.view(np.uint32)
+    for i in range(x.size):
+        for b in range(32):
+            flipped = bits.copy()
+            flipped[i] ^= np.uint32(1 << b)
+            assert int(_checkpoint._checksum(jnp.asarray(flipped.view(np.float32)))) != base, (i, b)
+    assert int(_checkpoint._checksum(jnp.asarray(x[[1, 0, *range(2, 8)]]))) != base
+
+
+def test_saved_meta_is_the_meta_at_save_time(tmp_path):
+    # the background save must not see what the caller appends afterwards
+    history = [1.0]
+    with _checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, _state(), {"step": 1, "history": history})
+        history.extend(range(1000))
+    assert _checkpoint.read_meta(tmp_path)["history"] == [1.0]
+
+
 def _data_file(step_dir):
     """The largest file of the saved arrays (it holds the values of ['w'])."""
     files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
