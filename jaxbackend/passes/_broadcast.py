@@ -68,12 +68,6 @@ def real_axes(x, dims, shape) -> set:
     return {d for j, d in enumerate(dims) if xs[j] == shape[d]}
 
 
-def const_along(producer, atom, axes):
-    """(x, dims) if atom = broadcast(x) is constant along every axis in
-    `axes` (none of them real), else None."""
-    return constant_along(source(producer, atom), axes)
-
-
 def constant_along(src, axes):
     """(x, dims) if the broadcast `src` is constant along every axis in
     `axes` (none of them real), else None."""

@@ -131,6 +131,19 @@ def count_eqns(closed, primitive: str | None = None) -> int:
     return sum(1 for e in iter_eqns(closed) if primitive is None or e.primitive.name == primitive)
 
 
+def use_counts(closed_or_jaxpr) -> dict:
+    """{var: number of uses} over the jaxpr and its sub-jaxprs: as an
+    equation operand (once per operand slot) or a jaxpr output. Passes that
+    split or move a value's computation check that all its uses are theirs;
+    a var a pass creates later is absent (unknown uses: used elsewhere)."""
+    counts: collections.Counter = collections.Counter()
+    for jaxpr in iter_jaxprs(closed_or_jaxpr):
+        for eqn in jaxpr.eqns:
+            counts.update(v for v in eqn.invars if _jax.is_var(v))
+        counts.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    return dict(counts)
+
+
 class Producers:
     """`producers(atom)`: the equation of `eqns` defining `atom`, or None for
     inputs, consts and literals. `eqns` may grow after construction (a

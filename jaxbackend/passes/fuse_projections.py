@@ -156,19 +156,6 @@ def _free_to_transpose(producer, readers, x, flat):
         x = eqn.invars[0]
 
 
-def _readers(jaxpr) -> dict:
-    """var -> number of equations and outputs of `jaxpr` reading it."""
-    count: dict = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if _jax.is_var(v):
-                count[v] = count.get(v, 0) + 1
-    for v in jaxpr.outvars:
-        if _jax.is_var(v):
-            count[v] = count.get(v, 0) + 1
-    return count
-
-
 def _names(producer, atom):
     eqn = producer(atom)
     if eqn is not None and eqn.primitive.name == "einsum":
@@ -221,29 +208,21 @@ def _weight_grad_rule(readers, ctx, eqn):
     return out
 
 
-def _all_readers(closed) -> dict:
-    readers: dict = {}
-    for jaxpr in _rewrite.iter_jaxprs(closed):
-        readers.update(_readers(jaxpr))
-    return readers
-
-
 def fuse_projections(closed):
     """Replace flatten-dot-unflatten chains by batch-keeping contractions."""
     # reader counts of the input graph: a W rule decides before the later
     # readers of its operands are walked (equations it keeps keep their vars)
     rules = {"reshape": _forward_rule,
-             "dot_general": functools.partial(_weight_grad_rule, _all_readers(closed))}
+             "dot_general": functools.partial(_weight_grad_rule, _rewrite.use_counts(closed))}
     return _rewrite.rewrite(closed, rules)
 
 
 def remaining(closed) -> int:
     """Number of F and W chains left, sub-jaxprs included (the equations the
     rules' matchers accept)."""
-    total = 0
+    total, readers = 0, _rewrite.use_counts(closed)
     for jaxpr in _rewrite.iter_jaxprs(closed):
         producer = _rewrite.Producers(jaxpr.eqns)
-        readers = _readers(jaxpr)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "reshape" and _match_forward(producer, eqn) is not None:
                 total += 1

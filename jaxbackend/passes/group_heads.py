@@ -240,19 +240,9 @@ def _sum_rule(ctx, eqn, uses):
     return _rewrite.same_types(eqn, out, "folded contraction")
 
 
-def _uses(closed) -> dict:
-    """var -> number of readers (equations and jaxpr outputs), every jaxpr."""
-    uses: dict = {}
-    for jaxpr in _rewrite.iter_jaxprs(closed):
-        for atom in [a for e in jaxpr.eqns for a in e.invars] + list(jaxpr.outvars):
-            if _jax.is_var(atom):
-                uses[atom] = uses.get(atom, 0) + 1
-    return uses
-
-
 def group_heads(closed):
     """Contract against un-repeated K/V heads, forward and backward (module doc)."""
-    uses = _uses(closed)
+    uses = _rewrite.use_counts(closed)
     return _rewrite.rewrite(closed, {"dot_general": _dot_rule,
                                      "reduce_sum": lambda ctx, eqn: _sum_rule(ctx, eqn, uses)})
 
@@ -260,7 +250,7 @@ def group_heads(closed):
 def remaining(closed) -> int:
     """Contractions reading a repeated operand along a batch dim, plus group
     sums the `reduce_sum` rule folds, sub-jaxprs included."""
-    uses, total = _uses(closed), 0
+    uses, total = _rewrite.use_counts(closed), 0
     for jaxpr in _rewrite.iter_jaxprs(closed):
         producer = _rewrite.Producers(jaxpr.eqns)
         for eqn in jaxpr.eqns:

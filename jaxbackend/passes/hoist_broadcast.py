@@ -32,7 +32,7 @@ sees earlier rewrites, so whole chains move up):
   operand is constant: the sum moves inside the product (`_sink_sum`), for
   float32/float64 and finite, normal factors only, and never past an add
   or inner sum whose value another op also reads (that would add work;
-  `use_counts` gives the uses). AD transposes a
+  `_rewrite.use_counts` gives the uses). AD transposes a
   broadcast into such a sum (cotangent * coefficient, summed over the
   created axes), and a merge into a split reshape and such a sum, which
   `_sink_sum` follows into the split space; runtime coefficients, like the
@@ -98,7 +98,6 @@ this module emits.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 from jax import lax
@@ -213,21 +212,8 @@ def hoist_broadcast(closed, *, runtime_factors: bool = False):
     jaxpr, values = _jax.jaxpr_parts(closed)
     consts = dict(zip(jaxpr.constvars, values))
     reduction = functools.partial(_reduction_rule, consts=consts, runtime=runtime_factors,
-                                  uses=use_counts(closed))
+                                  uses=_rewrite.use_counts(closed))
     return _rewrite.rewrite(closed, {**RULES, **{p: reduction for p in REDUCTIONS}})
-
-
-def use_counts(closed) -> dict:
-    """{var: number of uses}, over `closed` and its sub-jaxprs: as an
-    equation operand (once per operand slot) or a jaxpr output. Sum sinking
-    splits a sum only at values whose uses all lie in its plan; a var this
-    pass creates is absent (unknown uses: treated as used elsewhere)."""
-    counts: collections.Counter = collections.Counter()
-    for jaxpr in _rewrite.iter_jaxprs(closed):
-        for eqn in jaxpr.eqns:
-            counts.update(v for v in eqn.invars if _jax.is_var(v))
-        counts.update(v for v in jaxpr.outvars if _jax.is_var(v))
-    return dict(counts)
 
 
 def remaining(closed) -> int:
