@@ -20,10 +20,10 @@ helpers (as a script imports its neighbours).
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 from typing import Any, Callable, NamedTuple
+
+from jaxbackend import _scripts
 
 
 class Program(NamedTuple):
@@ -78,15 +78,10 @@ def load(folder) -> list[Program]:
     if not files:
         raise ValueError(f"corpus folder {str(folder)!r} has no corpus files; add a .py file "
                          f"(not named _* or test_*) that defines CORPUS.")
-    if str(folder.resolve()) not in sys.path:
-        sys.path.insert(0, str(folder.resolve()))
     out: list[Program] = []
     for path in files:
-        spec = importlib.util.spec_from_file_location(f"_jaxbackend_corpus_{path.stem}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module   # dataclasses and pickling look classes up there
-        spec.loader.exec_module(module)
+        module = _scripts.load_module(path, "_jaxbackend_corpus_")
+        assert module is not None   # a .py file
         entries = getattr(module, "CORPUS", None)
         if not isinstance(entries, (list, tuple)):
             raise ValueError(f"corpus file {path.name} defines no CORPUS list; add CORPUS = "

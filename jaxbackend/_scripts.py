@@ -26,16 +26,27 @@ def load_callable(spec: str, what: str, error: type[Exception] = ValueError):
     file = pathlib.Path(path)
     if not file.is_file():
         raise error(f"script {path!r} does not exist; give a path to a .py file.")
-    folder = str(file.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    mod_spec = importlib.util.spec_from_file_location(f"_jaxbackend_user_{file.stem}", file)
-    if mod_spec is None or mod_spec.loader is None:
+    module = load_module(file, "_jaxbackend_user_")
+    if module is None:
         raise error(f"script {path!r} cannot be loaded as a module; give a .py file.")
-    module: ModuleType = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise error(f"{path} has no {what} {name!r}; callables there: {', '.join(found)}.")
     return module, fn
+
+
+def load_module(file: pathlib.Path, prefix: str) -> ModuleType | None:
+    """Runs `file` as the module `prefix + its stem`, its folder first on
+    `sys.path`, registered in `sys.modules` (dataclasses and pickling look
+    classes up there); None if it cannot be loaded as a module."""
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(prefix + file.stem, file)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
