@@ -65,6 +65,11 @@ def axes_tuple(axes: Axes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def axes_text(axes: Axes) -> str:
+    """A rule value as plan tables print it: "data × model", or "replicated"."""
+    return " × ".join(axes_tuple(axes)) or "replicated"
+
+
 def spec_for_dims(dims, rules: Rules) -> PartitionSpec:
     """PartitionSpec of a tensor with these dim names under `rules`."""
     used: set = set()

@@ -176,7 +176,8 @@ class Plan:
         many pieces each dim is cut into), the modelled cost per step and
         device, the search's verdict and the exceptions."""
         c, sizes = self.cost, dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        rules = [(d, _axes_text(a), math.prod(sizes[x] for x in _axes_tuple(a)))
+        rules = [(d, _axis_rules.axes_text(a),
+                  math.prod(sizes[x] for x in _axis_rules.axes_tuple(a)))
                  for d, a in self.rules.items()]
         cost = [("compute", f"{c.compute * 1e3:.4g}", "", "")]
         cost += [(k, f"{c.collective(k).time * 1e3:.4g}", f"{c.collective(k).bytes:,.0f}",
@@ -200,22 +201,13 @@ class Plan:
                                     f"{st.get('candidates', 0):,} rule sets "
                                     f"in {st.get('seconds', 0.0):.3g} s"))
         if self.exceptions:
-            rows = [(where, d, _axes_text(a)) for where, d, a in self.exceptions]
+            rows = [(where, d, _axis_rules.axes_text(a)) for where, d, a in self.exceptions]
             parts.append(_html.table(("tensor", "dim", "not on"), rows,
                                      "exceptions: mesh axis already used by an earlier dim"))
         return _html.box(f"Plan on {self.mesh!r}", *parts)
 
     def __repr__(self):
         return f"Plan(rules={self.rules}, time={self.cost.time:.4g}s, memory={self.cost.memory:.4g}B)"
-
-
-def _axes_tuple(axes) -> tuple:
-    """A rule value (None, one mesh axis, or a tuple of them) as a tuple."""
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-def _axes_text(axes) -> str:
-    return " × ".join(_axes_tuple(axes)) or "replicated"
 
 
 def plan_jaxpr(closed, in_dims, out_dims, in_tree, out_tree, *, mesh, rules=None,
