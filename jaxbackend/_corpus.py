@@ -38,7 +38,7 @@ def _loss_of(fn: Callable) -> Callable:
     import jax.numpy as jnp
 
     def loss(*args):
-        # A sum of squares of every output leaf: every output gets a cotangent.
+        # The mean square of every output leaf, summed: every output gets a cotangent.
         leaves = jax.tree.leaves(fn(*args))
         return sum(jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves)
     return loss

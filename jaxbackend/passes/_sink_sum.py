@@ -188,9 +188,12 @@ def plan(producer, atom, axes, value=None, *, runtime=False, uses=None):
     when sinking saves work; without it all uses count as in the plan).
     `runtime=True` also takes unknown factors (the caller's promise)."""
     value = value or (lambda a: None)
+    known: dict = {}   # id(atom) -> value (Literals are unhashable): each re-plan asks again
 
     def accept(atom, dtype):
-        v = value(atom)
+        if id(atom) not in known:   # atoms live in the jaxpr: ids stay theirs
+            known[id(atom)] = value(atom)
+        v = known[id(atom)]
         return runtime if v is None else safe_factor(v, dtype)
 
     marked: frozenset = frozenset()   # values with a use outside the plan
