@@ -61,11 +61,11 @@ class CheckpointError(ValueError):
 
 class Checkpointer:
     """Saves steps into `directory` in the background, keeping the `keep`
-    newest. Use as a context manager (or call `close`): leaving it waits
+    newest (None: all). Use as a context manager (or call `close`): leaving it waits
     until the last save is on disk. Every process of a multi-process run
     calls `save` with the same step."""
 
-    def __init__(self, directory, keep: int = 3):
+    def __init__(self, directory, keep: int | None = 3):
         self.directory = pathlib.Path(directory).absolute()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                             cleanup_tmp_directories=True)
@@ -97,8 +97,10 @@ class Checkpointer:
         self.close()
 
 
-def save(directory, state, meta: dict, step: int | None = None, keep: int = 3) -> pathlib.Path:
-    """Writes one step (default `meta["step"]`, else 0) and waits for it."""
+def save(directory, state, meta: dict, step: int | None = None,
+         keep: int | None = None) -> pathlib.Path:
+    """Writes one step (default `meta["step"]`, else 0) and waits for it;
+    with `keep`, deletes all but the `keep` newest steps (default: none)."""
     with Checkpointer(directory, keep) as ckpt:
         return ckpt.save(meta.get("step", 0) if step is None else step, state, meta)
 
