@@ -100,6 +100,10 @@ add sub mul div max min pow atan2 rem and or xor eq ne lt le gt ge add_any nexta
 select_n
 """.split())
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+# params never hold a jaxpr (not scatter: its `update_jaxpr` is one)
+_FLAT_PRIMITIVES = ELEMENTWISE | REDUCTIONS | frozenset(
+    """reshape squeeze expand_dims broadcast_in_dim slice dynamic_slice dynamic_update_slice
+    concatenate transpose dot_general iota pad rev copy copy_p gather""".split())
 # Never merged even without declared effects: each call is meant to be
 # distinct (remat's prevent_cse, optimization barriers, stateful RNG ops).
 NEVER_CSE = REMAT_PRIMITIVES | frozenset({"optimization_barrier", "random_seed", "random_wrap",
@@ -187,7 +191,11 @@ def dce_keeping_signature(j):
 
 def has_sub_jaxprs(eqn) -> bool:
     """Does a param of `eqn` hold a (Closed)Jaxpr, directly or in a tuple?"""
-    # Fast path: most params are ints, dtypes or tuples of ints.
+    # Fastest path: element-wise ops and reductions (most of a training step's
+    # equations) have fixed params, none a jaxpr. Then: most params are ints,
+    # dtypes or tuples of ints.
+    if eqn.primitive.name in _FLAT_PRIMITIVES:
+        return False
     for p in eqn.params.values():
         if isinstance(p, (ClosedJaxpr, Jaxpr)) or (
                 type(p) is tuple and any(isinstance(q, (ClosedJaxpr, Jaxpr)) for q in p)):

@@ -82,7 +82,9 @@ def _eligible(eqn) -> bool:
 
 
 def _type(aval) -> tuple:
-    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+    # the dtype object itself: hashable and compared by value (str() of a
+    # dtype costs ~10 us, a third of the plan's time at 64 layers)
+    return (aval.shape, aval.dtype, bool(getattr(aval, "weak_type", False)))
 
 
 def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> dict:
