@@ -174,7 +174,12 @@ class BranchAndBound:
         plan, t, m, _ = best_of(tab, self._levels(np.inf, beam=BEAM), self.budget)
         if plan is None:   # the beam kept nothing that fits: descend from the most sharded plan
             plan = np.array([len(o) - 1 for o in tab.options])
-        plan, t, m = descend(plan, tab.shape, lambda c, _: (tab.time_at(c), tab.memory_at(c)),
+        # the merged tables (fewer, same sums up to rounding, which _levels'
+        # _REL slack absorbs): the incumbent only bounds the search; the plan
+        # returned is ranked by `best_of`, in the exhaustive search's order
+        merged = self.time_bounds[-1]
+        plan, t, m = descend(plan, tab.shape,
+                             lambda c, _: (Tables.sum_at(merged, c), tab.memory_at(c)),
                              self.budget, self.deadline)
         return (plan, t, m) if m <= self.budget else (None, np.inf, None)
 
