@@ -215,7 +215,10 @@ def load(directory, template=None, step: int | None = None):
         paths, tree = jax.tree_util.tree_flatten_with_path(template)
         flat = [(jax.tree_util.keystr(p), x) for p, x in paths]
         _check_records(step_dir, records, flat)
-    got = _restore(step_dir, [_target(x) for _, x in flat])
+    targets = [_target(x) for _, x in flat]
+    if template is not None:
+        _check_placeable(step_dir, [p for p, _ in flat], targets)
+    got = _restore(step_dir, targets, placed=template is not None)
     for r, x, sum_ in zip(records, got, _checksums(got)):
         if sum_ != r["checksum"]:
             raise CheckpointError(f"checkpoint {step_dir} is corrupt (array {r['path']} fails its "
@@ -227,9 +230,44 @@ def load(directory, template=None, step: int | None = None):
     return jax.tree.unflatten(tree, leaves), meta
 
 
-def _restore(step_dir: pathlib.Path, targets: list) -> list:
-    """The arrays of `step_dir` placed as `targets` say; unreadable files are
-    a `CheckpointError` naming the first failure."""
+def _restore(step_dir: pathlib.Path, targets: list, placed: bool = False) -> list:
+    """The arrays of `step_dir` placed as `targets` say; a failure is a
+    `CheckpointError` naming the first one. With `placed` (targets from the
+    caller's template), a failed restore is tried again onto the default
+    device: if that reads, the files are fine and the template's shardings
+    are what failed, and the message says so instead of calling the
+    checkpoint corrupt (whose advice, delete it, would lose a good one)."""
+    reason = _try_restore(step_dir, targets)
+    if not isinstance(reason, str):
+        return reason
+    if placed:
+        plain = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.sharding.SingleDeviceSharding(
+            jax.devices()[0])) for t in targets]
+        if not isinstance(_try_restore(step_dir, plain), str):
+            raise CheckpointError(
+                f"checkpoint {step_dir} is readable, but its arrays could not be placed on the "
+                f"template's shardings ({reason}); pass a template whose shardings fit its "
+                f"shapes on this machine's devices, or none.")
+    raise CheckpointError(f"checkpoint {step_dir} is corrupt ({reason}); delete it and train "
+                          f"again.")
+
+
+def _check_placeable(step_dir, paths, targets) -> None:
+    """Every target's sharding splits its shape evenly (what orbax needs)."""
+    for path, t in zip(paths, targets):
+        try:
+            t.sharding.shard_shape(t.shape)
+        except ValueError:
+            mesh = getattr(t.sharding, "mesh", None)
+            where = f" on mesh {dict(mesh.shape)}" if mesh is not None else ""
+            raise CheckpointError(
+                f"checkpoint {step_dir}: template leaf {path} of shape {tuple(t.shape)} does not "
+                f"split evenly over its sharding {getattr(t.sharding, 'spec', t.sharding)}{where}; "
+                f"give that leaf a sharding whose mesh axes divide its dims.") from None
+
+
+def _try_restore(step_dir: pathlib.Path, targets: list):
+    """The restored arrays, or the first sentence of why orbax failed (a str)."""
     _drop_failed_reads()  # before: a failing read may report while restore still runs
     try:
         return list(ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
@@ -240,8 +278,7 @@ def _restore(step_dir: pathlib.Path, targets: list) -> list:
         first = (str(e).strip().split(". ")[0].splitlines() or [type(e).__name__])[0]
         reason = textwrap.shorten(first, 120, placeholder=" ...")
     gc.collect()  # the suspended reads report now, not at some later line of output
-    raise CheckpointError(f"checkpoint {step_dir} is corrupt ({reason}); delete it and train "
-                          f"again.")
+    return reason
 
 
 _FAILED_READ = "_read_array_index_and_device_put"   # orbax's per-shard read coroutine
