@@ -176,22 +176,34 @@ def _scan_count(closed) -> int:
     return sum(e.primitive.name == "scan" for e in closed.jaxpr.eqns)
 
 
-@pytest.mark.parametrize("reroll, rolled", [(True, True), (False, False), (12, False), (4, True)])
-def test_reroll_is_on_by_default_and_configurable(reroll, rolled):
+@pytest.fixture(scope="module")
+def six_layer_transformer():
+    """A 6-layer transformer's value_and_grad, its arguments, jax.jit's value
+    and gradient, and (lazily, once) the gradient's abs_scale: shared by the
+    reroll settings compared against them."""
+    import functools
+
     from jaxbackend.programs import transformer as T
 
     x, layers = T.init_transformer(jax.random.key(1), 6, seq=8, d=32, mlp=64)
     vg = jax.value_and_grad(lambda x, L: T.loop_transformer(x, L)[0], argnums=(0, 1))
-    f = jb.jit(vg, reroll=reroll)
-    after = f.trace_passes(x, layers).jaxprs[-1][1]
-    assert (_scan_count(after) > 0) == rolled
-    (v, g), (v0, g0) = f(x, layers), jax.jit(vg)(x, layers)
     # v is a sum of 512 O(1) outputs that cancel (-0.467): its float32 error
     # scales with the sum of their absolute values, not with the result
     # (rolled, unrolled and eager differ by ~3e-5 across CPU kinds)
-    scale = float(jnp.abs(T.loop_transformer(x, layers)[1]).sum())
-    assert_close(v, v0, scale=scale, what="loss")
-    assert_close(g, g0, scale=lambda: abs_scale(vg, x, layers)[1], what="gradient")
+    loss_scale = float(jnp.abs(T.loop_transformer(x, layers)[1]).sum())
+    grad_scale = functools.cache(lambda: abs_scale(vg, x, layers)[1])
+    return vg, (x, layers), jax.jit(vg)(x, layers), loss_scale, grad_scale
+
+
+@pytest.mark.parametrize("reroll, rolled", [(True, True), (False, False), (12, False), (4, True)])
+def test_reroll_is_on_by_default_and_configurable(reroll, rolled, six_layer_transformer):
+    vg, (x, layers), (v0, g0), loss_scale, grad_scale = six_layer_transformer
+    f = jb.jit(vg, reroll=reroll)
+    after = f.trace_passes(x, layers).jaxprs[-1][1]
+    assert (_scan_count(after) > 0) == rolled
+    v, g = f(x, layers)
+    assert_close(v, v0, scale=loss_scale, what="loss")
+    assert_close(g, g0, scale=grad_scale, what="gradient")
 
 
 def test_default_rolls_from_reroll_min_repeats_layers():

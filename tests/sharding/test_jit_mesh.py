@@ -144,23 +144,36 @@ def _gpt_step(layers: int):
     return jax.value_and_grad(loss_fn), (params, x, jnp.roll(x, -1, axis=1))
 
 
+@pytest.fixture(scope="module")
+def rolled_gpt():
+    """The rolled GPT's value_and_grad, its arguments, its single-device
+    value and (lazily, once) its abs_scale: shared by the plans compared."""
+    import functools
+
+    from jaxbackend import passes
+
+    # exactly passes.REROLL_MIN_REPEATS layers: the fewest that reroll rolls
+    vg, args = _gpt_step(passes.REROLL_MIN_REPEATS)
+    want = jax.jit(vg)(*args)
+    scale = functools.cache(lambda: testing.abs_scale(vg, *args))
+    return vg, args, want, scale
+
+
 @pytest.mark.parametrize("rules", [None, {"batch": "data", "head": "model", "mlp": "model"}],
                          ids=["searched", "megatron"])
-def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules):
-    vg, args = _gpt_step(6)   # more than passes.REROLL_MIN_REPEATS (5) layers
+def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules, rolled_gpt):
+    vg, args, want, scale = rolled_gpt
     f = jb.jit(vg, mesh=mesh, rules=rules)
-    assert "stablehlo.while" in f.lower(*args).as_text(), "the 6 layers should run in a loop"
-    got, want = f(*args), jax.jit(vg)(*args)
-    testing.assert_close(got, want, scale=lambda: testing.abs_scale(vg, *args),
-                         what="sharded rolled value_and_grad")
+    assert "stablehlo.while" in f.lower(*args).as_text(), "the layers should run in a loop"
+    testing.assert_close(f(*args), want, scale=scale, what="sharded rolled value_and_grad")
 
 
-def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh):
+def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh, rolled_gpt):
     # the per-layer AdamW update runs once per weight kind on the stacked
     # weights (reroll's vectorised tail), under the searched plan
     import optax
 
-    vg, (params, x, y) = _gpt_step(6)
+    vg, (params, x, y), _, _ = rolled_gpt
     tx = optax.adamw(1e-2)
 
     def step(params, opt_state, x, y):

@@ -151,9 +151,19 @@ def test_resume_reuses_the_checkpoints_flags_and_more_steps_extend(tmp_path, mon
         dict(embd=16, seq=16, batch=2, lr=0.002, max_chars=_cli.TINY["max_chars"])
 
 
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    # One persistent compilation cache for the signalled runs: the second
+    # run (the same program) reuses the first one's executables instead of
+    # compiling them again. A cached executable is the same compiled program.
+    return str(tmp_path_factory.mktemp("jax-cache"))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path, sig):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def test_sigterm_saves_a_checkpoint_and_exits_with_a_message(tmp_path, sig, jax_cache):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAX_COMPILATION_CACHE_DIR=jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxbackend", "train", *SMALL, "--steps", "5000", "--quiet",
            "--ckpt-every", "0", "--out", str(tmp_path)]
