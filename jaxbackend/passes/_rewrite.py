@@ -201,7 +201,10 @@ def _trace(fn, avals, key):
             return hit
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              for a in avals]
-    closed = jax.make_jaxpr(lambda *xs: _as_list(fn(*xs)))(*specs)
+    # without its dead equations: make_jaxpr may leave some (a scan's unused
+    # zeros, depending on what JAX traced before in the process), and a pass's
+    # output should not depend on that
+    closed = _jax.dce_keeping_signature(jax.make_jaxpr(lambda *xs: _as_list(fn(*xs)))(*specs))
     if full_key is not None:
         _TRACE_CACHE[full_key] = closed
         if len(_TRACE_CACHE) > _TRACE_CACHE_SIZE:
