@@ -215,11 +215,11 @@ def emit(walk, fam):
                                  tuple(range(1, aval.ndim + 1)))
         else:
             if kind[0] == "s":
-                arr = walk.stacks[kind[1]]
+                arr = walk.held(walk.stacks[kind[1]])
             elif kind[0] == "f":
                 arr = walk.family_out[kind[1:]]
             else:              # distinct per member: stacked (a copy), or an earlier stack
-                arr = walk.stack_inputs([m.invars[p] for m in members], reverse=False)
+                arr = walk.held(walk.stack_inputs([m.invars[p] for m in members], reverse=False))
             if not aval.ndim and out_shape:   # a per-member scalar next to arrays
                 arr = _broadcast(walk.b, arr, (n,) + out_shape, (0,))
         args.append(arr)

@@ -8,9 +8,16 @@ one shape is the same XLA kernel whatever the layer.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+# XLA:CPU fuses a concatenate of at most this many operands into its readers
+# (`kMaxConcatenateArguments` in xla/service/cpu/cpu_instruction_fusion.cc,
+# JAX 0.10 / jaxlib 0.10): a stack that short is `hold`-ed by `reroll`.
+CONCAT_FUSES_UP_TO = 8
 
 
 def stack(xs):
@@ -48,16 +55,25 @@ def opaque_indices(n: int, like):
     times (its trip count is a value XLA cannot know: whether `like`'s first
     element is NaN) and whose body would leave them unchanged anyway (it adds
     the counter, 0, on its only possible iteration), so the values are always
-    0..n-1; the loop costs a few microseconds per call.
+    0..n-1; the loop costs a few microseconds per call. (For an integer or
+    boolean `like`, the trip count is its first element's lowest bit: 0 or 1,
+    unknown to XLA.)
     """
     first = corner(like, 0)
-    trips = (first != first).astype(jnp.int32)
+    if jnp.issubdtype(first.dtype, jnp.inexact):
+        trips = (first != first).astype(jnp.int32)
+    else:
+        # x != x is known false for integers and booleans (XLA folds it, and
+        # every index with it); any run-time value in {0, 1} does, since one
+        # iteration leaves the indices as they are
+        trips = first.astype(jnp.int32) & 1
     init = (jnp.int32(0), tuple(jnp.int32(i) for i in range(n)))
     _, idx = lax.while_loop(lambda c: c[0] < trips,
                             lambda c: (c[0] + 1, tuple(x + c[0] for x in c[1])), init)
     return idx
 
 
+@jax.custom_jvp
 def hold(x, zero):
     """x, materialised once before its entries are read (`unstack_one`).
 
@@ -71,7 +87,10 @@ def hold(x, zero):
     replicated scalar, so no collective under a mesh) and whose body
     selects x when its counter is 0, so it would return x had it run once.
     A select moves bits without arithmetic (nothing rounds, no subnormal is
-    flushed, any dtype), so the result is x, bit for bit.
+    flushed, any dtype), so the result is x, bit for bit. Differentiated,
+    it is the identity (`_hold_jvp`): reverse mode cannot go through a
+    `while` loop, and a rolled program is differentiated again when
+    `jax.grad` is applied outside `jb.jit`.
     """
     if not x.size:
         return x
@@ -81,6 +100,12 @@ def hold(x, zero):
         return c[0] + 1, lax.select(jnp.broadcast_to(c[0] == 0, x.shape), c[1], fill)
 
     return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0), x))[1]
+
+
+@hold.defjvp
+def _hold_jvp(primals, tangents):
+    x, zero = primals
+    return hold(x, zero), tangents[0]
 
 
 def corner(x, at: int):
