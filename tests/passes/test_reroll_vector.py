@@ -156,3 +156,43 @@ def test_the_vectorised_update_is_not_recomputed_in_every_entry_read():
         out[n] = len(re.findall(r"= \S+ (?:multiply|divide|sqrt)\(", hlo))
     # the update's arithmetic does not grow with the number of layers
     assert out[8] <= out[4] + 4, out
+
+
+def _fused_bodies(hlo: str) -> list:
+    """The text of each fused computation of an optimised HLO module."""
+    import re
+    return [c for c in re.split(r"\n(?=\S)", hlo) if c.lstrip("%").startswith("fused")]
+
+
+def test_a_short_stack_is_not_fused_into_every_optimizer_kernel():
+    # XLA:CPU fuses a concatenate of <= 8 operands into its element-wise
+    # readers: a stack of 6 layers' weights or moments, made for the
+    # vectorised AdamW update, went into every kernel of that update (each
+    # one large to compile). Held (`_stacks.hold`), it is made once.
+    closed, leaves = _step_jaxpr(_AdamW(), n=6, d=32)
+    rolled, stats = reroll_with_stats(closed, min_repeats=2)
+    assert stats.vectorized
+    hlo = jax.jit(_jax.jaxpr_as_fun(rolled)).lower(*leaves).compile().as_text()
+    mixed = [b.split("\n", 1)[0] for b in _fused_bodies(hlo)
+             if " concatenate(" in b and any(f" {op}(" in b for op in ("multiply", "divide", "sqrt"))]
+    assert not mixed, mixed
+
+
+def test_opaque_indices_from_an_integer_input_are_0_to_n_and_not_folded():
+    from jaxbackend.passes import _stacks
+
+    for first in (2, 3):   # trip count 0 or 1: the indices are 0..n-1 either way
+        like = jnp.array([first, 5], jnp.int32)
+        assert [int(i) for i in jax.jit(lambda a: _stacks.opaque_indices(4, a))(like)] == [0, 1, 2, 3]
+    hlo = jax.jit(lambda a: _stacks.opaque_indices(4, a)).lower(jnp.zeros(2, jnp.int32)).compile()
+    assert " while(" in hlo.as_text()   # `x != x` would fold for integers, and the loop with it
+
+
+def test_a_rolled_program_with_a_held_stack_is_differentiable():
+    # jax.grad of jb.jit(step): reverse mode cannot go through the hold's
+    # while loop; hold is the identity under AD
+    from jaxbackend.passes._stacks import hold
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    g = jax.grad(lambda x: (hold(x, jnp.int32(0)) ** 2).sum())(x)
+    assert (g == 2 * x).all()
