@@ -268,11 +268,10 @@ class _Walk:
         first use. Its loop's trip count reads one element of the jaxpr's
         smallest input (a replicated scalar, under a mesh, where there is
         one: an optimizer's step count), else of `like`, a non-empty stack.
-        An input, because XLA folds constants: a stack of per-layer
-        constants (a mask from iota) made the trip count known, and XLA then
-        removed every `hold` loop and made every read a separate kernel
-        (measured: the 8-layer GPT AdamW step compiled 2x slower than the
-        16-layer one)."""
+        An input, because XLA folds constants: read from a stack of
+        per-layer constants (a mask made from iota), the trip count was
+        known, and XLA removed every `hold` loop and made every read of an
+        entry a kernel of its own."""
         if self.indices is None:
             n = self.max_repeats
             inputs = [v for v in self.jaxpr.invars if getattr(v.aval, "size", 0)

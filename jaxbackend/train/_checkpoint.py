@@ -237,13 +237,13 @@ def _restore(step_dir: pathlib.Path, targets: list, placed: bool = False) -> lis
     device: if that reads, the files are fine and the template's shardings
     are what failed, and the message says so instead of calling the
     checkpoint corrupt (whose advice, delete it, would lose a good one)."""
-    reason = _try_restore(step_dir, targets)
-    if not isinstance(reason, str):
-        return reason
+    got, reason = _try_restore(step_dir, targets)
+    if got is not None:
+        return got
     if placed:
         plain = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.sharding.SingleDeviceSharding(
             jax.devices()[0])) for t in targets]
-        if not isinstance(_try_restore(step_dir, plain), str):
+        if _try_restore(step_dir, plain)[0] is not None:
             raise CheckpointError(
                 f"checkpoint {step_dir} is readable, but its arrays could not be placed on the "
                 f"template's shardings ({reason}); pass a template whose shardings fit its "
@@ -266,19 +266,20 @@ def _check_placeable(step_dir, paths, targets) -> None:
                 f"give that leaf a sharding whose mesh axes divide its dims.") from None
 
 
-def _try_restore(step_dir: pathlib.Path, targets: list):
-    """The restored arrays, or the first sentence of why orbax failed (a str)."""
+def _try_restore(step_dir: pathlib.Path, targets: list) -> tuple:
+    """(the restored arrays, None), or (None, the first sentence of why
+    orbax failed)."""
     _drop_failed_reads()  # before: a failing read may report while restore still runs
     try:
         return list(ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
             step_dir.absolute(), args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(targets)))["state"])
+                state=ocp.args.StandardRestore(targets)))["state"]), None
     except Exception as e:  # orbax and tensorstore raise many types for unreadable files
         # The first sentence: tensorstore appends pages of details.
         first = (str(e).strip().split(". ")[0].splitlines() or [type(e).__name__])[0]
         reason = textwrap.shorten(first, 120, placeholder=" ...")
     gc.collect()  # the suspended reads report now, not at some later line of output
-    return reason
+    return None, reason
 
 
 _FAILED_READ = "_read_array_index_and_device_put"   # orbax's per-shard read coroutine
