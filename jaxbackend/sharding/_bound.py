@@ -108,14 +108,14 @@ class BranchAndBound:
     def __init__(self, tab, budget, deadline):
         self.tab, self.budget, self.deadline = tab, budget, deadline
         n = len(tab.shape)
-        time_tables = _merge(tab.time)
+        self.time_tables = _merge(tab.time)   # the incumbent descends on these too
         # Memory bound: the summed parts plus the live temporaries at the
         # program point that holds the most when nothing is sharded.
         pts = tab.cm.mem_points
         p0 = int(np.argmax(pts @ np.array([t.max() for t in tab.live]))) if tab.live else 0
         mem_tables = _merge(tab.summed + [pts[p0, g] * t for g, t in enumerate(tab.live) if pts[p0, g]])
-        self.order = self._key_order(time_tables, n)
-        self.time_bounds, self.mem_bounds = self._bounds(time_tables), self._bounds(mem_tables)
+        self.order = self._key_order(self.time_tables, n)
+        self.time_bounds, self.mem_bounds = self._bounds(self.time_tables), self._bounds(mem_tables)
         self.comm_bounds = None   # made by the tolerance pass
         self.nodes, self.dropped_memory, self.stopped = 0, np.inf, None
 
@@ -177,9 +177,8 @@ class BranchAndBound:
         # the merged tables (fewer, same sums up to rounding, which _levels'
         # _REL slack absorbs): the incumbent only bounds the search; the plan
         # returned is ranked by `best_of`, in the exhaustive search's order
-        merged = self.time_bounds[-1]
         plan, t, m = descend(plan, tab.shape,
-                             lambda c, _: (Tables.sum_at(merged, c), tab.memory_at(c)),
+                             lambda c, _: (Tables.sum_at(self.time_tables, c), tab.memory_at(c)),
                              self.budget, self.deadline)
         return (plan, t, m) if m <= self.budget else (None, np.inf, None)
 

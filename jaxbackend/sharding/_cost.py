@@ -346,9 +346,10 @@ class CostModel:
     def time_terms(self, masks):
         """`step_time` as a list of terms (per distinct op, times its
         multiplicity; then per operand all-gather group), the extras, and the
-        terms' communication parts (the search's tie-break). Under masks broadcast over a grid (one axis per searched
-        key) a term spans only the axes of the keys it depends on: what lets
-        the search bound partial plans."""
+        terms' communication parts (the search's tie-break). Under masks
+        broadcast over a grid (one axis per searched key) a term spans only
+        the axes of the keys it depends on: what lets the search bound
+        partial plans."""
         terms, extras, comms = [], [], []
         for sig, mult in self.sigs:
             t, _, ex, c = self.op_cost(sig, masks)

@@ -215,10 +215,10 @@ def load(directory, template=None, step: int | None = None):
         paths, tree = jax.tree_util.tree_flatten_with_path(template)
         flat = [(jax.tree_util.keystr(p), x) for p, x in paths]
         _check_records(step_dir, records, flat)
-    targets = [_target(x) for _, x in flat]
-    if template is not None:
+    targets, placed = [_target(x) for _, x in flat], template is not None
+    if placed:
         _check_placeable(step_dir, [p for p, _ in flat], targets)
-    got = _restore(step_dir, targets, placed=template is not None)
+    got = _restore(step_dir, targets, placed=placed)
     for r, x, sum_ in zip(records, got, _checksums(got)):
         if sum_ != r["checksum"]:
             raise CheckpointError(f"checkpoint {step_dir} is corrupt (array {r['path']} fails its "
@@ -241,8 +241,7 @@ def _restore(step_dir: pathlib.Path, targets: list, placed: bool = False) -> lis
     if got is not None:
         return got
     if placed:
-        plain = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.sharding.SingleDeviceSharding(
-            jax.devices()[0])) for t in targets]
+        plain = [_target(jax.ShapeDtypeStruct(t.shape, t.dtype)) for t in targets]
         if _try_restore(step_dir, plain)[0] is not None:
             raise CheckpointError(
                 f"checkpoint {step_dir} is readable, but its arrays could not be placed on the "
