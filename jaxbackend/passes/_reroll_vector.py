@@ -52,7 +52,6 @@ import dataclasses
 from jax import lax
 
 from jaxbackend import _jax
-from jaxbackend.passes import _stacks
 
 _CONFLICT = -1
 
@@ -234,8 +233,7 @@ def emit(walk, fam):
             # families read too: the loop's input then has no reader after
             # it, so XLA needs no copy of it
             if out.aval.size:
-                out, = walk.b.emit(_stacks.hold, [out, walk.opaque_index(0, out)],
-                                   key="reroll.hold")
+                out = walk.hold(out)
         walk.family_out[(id(fam), k)] = out
         walk.register(out, [m.outvars[k] for m in members])
     walk.stats.vectorized += 1

@@ -259,9 +259,12 @@ class _Walk:
                 or arr.aval.shape[0] > _stacks.CONCAT_FUSES_UP_TO):
             return arr
         if arr not in self.held_stacks:
-            self.held_stacks[arr], = self.b.emit(_stacks.hold, [arr, self.opaque_index(0, arr)],
-                                                 key="reroll.hold")
+            self.held_stacks[arr] = self.hold(arr)
         return self.held_stacks[arr]
+
+    def hold(self, arr):
+        """`_stacks.hold(arr)`: arr materialised once, as one new atom."""
+        return self.b.emit(_stacks.hold, [arr, self.opaque_index(0, arr)], key="reroll.hold")[0]
 
     def opaque_index(self, idx, like):
         """The opaque int32 scalar idx (`_stacks.opaque_indices`), made on
