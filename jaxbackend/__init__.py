@@ -10,6 +10,9 @@ import importlib as _importlib
 from jaxbackend import named as named
 from jaxbackend import passes as passes
 from jaxbackend._layer import layer as layer
+from jaxbackend._stacked import Stacked as Stacked
+from jaxbackend._stacked import stack_layers as stack_layers
+from jaxbackend._stacked import unstack_layers as unstack_layers
 from jaxbackend.jit import jit as jit
 from jaxbackend.named import DimError as DimError
 from jaxbackend.named import NamedArray as NamedArray

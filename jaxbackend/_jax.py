@@ -573,6 +573,12 @@ def scatter_dimension_numbers(eqn):
     return eqn.params["dimension_numbers"]
 
 
+def slice_parts(eqn) -> tuple:
+    """(start_indices, limit_indices, strides or None) of a `slice` equation."""
+    p = eqn.params
+    return tuple(p["start_indices"]), tuple(p["limit_indices"]), p["strides"]
+
+
 def concatenate_dimension(eqn) -> int:
     """The axis a `concatenate` equation joins along."""
     return int(eqn.params["dimension"])

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbackend._stacked import stack_layers, unstack_layers
 from jaxbackend import named as nx
 from jaxbackend.sharding import _axis_rules
 from jaxbackend.sharding._axis_rules import spec_for_dims
@@ -164,7 +165,7 @@ def annotate_logical_axes(module: nnx.Module) -> nnx.Module:
     return module
 
 
-def functional(model: nnx.Module, method: str | Callable = "loss"):
+def functional(model: nnx.Module, method: str | Callable = "loss", *, stacked: bool = False):
     """`(params, fn)`: the model's parameters as a pure dict of arrays and
     `fn(params, *args, key=None, **kwargs)` calling `model.<method>(*args,
     **kwargs)` with those params; `method` may also be a function, called
@@ -181,19 +182,26 @@ def functional(model: nnx.Module, method: str | Callable = "loss"):
     the masks of the model's RNG state at `functional` time. The model's
     mode is fixed then too: call `model.eval()` before `functional` for a
     deterministic `fn`.
+
+    stacked: return the params with each list of identical layers (an
+    `nnx.List` of blocks) kept as one `jb.Stacked` of stacked arrays
+    (`jb.stack_layers`): the model's for-loop over its blocks runs as
+    written, and a training step over them compiles and traces in about the
+    time of a few layers whatever the depth. `fn` takes either form.
     """
     graphdef, pstate, *others = nnx.split(model, nnx.Param, ...)
     rest = others[0]   # every variable that is not a Param
 
     def fn(params, *args, key=None, **kwargs):
         state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
-        nnx.replace_by_pure_dict(state, params)
+        nnx.replace_by_pure_dict(state, unstack_layers(params))
         module = nnx.merge(graphdef, state, _fresh_rest(rest, key))
         if callable(method):
             return method(module, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
-    return nnx.to_pure_dict(pstate), fn
+    params = nnx.to_pure_dict(pstate)
+    return (stack_layers(params) if stacked else params), fn
 
 
 def _fresh_rest(rest, key):

@@ -10,7 +10,7 @@ input) or per-layer program inputs (the optimizer moments).
 
 This module plans to apply each such family of equations once, to the stacks:
 one `mul` on `f32[L, ...]` instead of L `mul`s on `f32[...]`. It is the
-analysis only; `reroll._Walk` emits the plan (it owns the stacks).
+analysis only; `_reroll_walk.Walk` emits the plan (it owns the stacks).
 
 How (three linear walks over the equations after the last run):
 1. layer index: an equation whose located inputs (entry i of a stack) all
@@ -198,7 +198,7 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
 
 
 def emit(walk, fam):
-    """Emit `fam` into `walk` (a `reroll._Walk`) as one equation on stacks;
+    """Emit `fam` into `walk` (a `_reroll_walk.Walk`) as one equation on stacks;
     entry i of its result is member i's result, which later readers index
     out lazily (`walk.read`)."""
     members = [walk.jaxpr.eqns[walk.tail + fam.members[i]] for i in range(len(fam.members))]

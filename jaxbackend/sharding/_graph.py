@@ -41,7 +41,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 
-from jaxbackend import _jax
+from jaxbackend import _jax, _stacked
 from jaxbackend.sharding import _names
 
 UNMAPPED = -1    # an operand axis with no requirement (size-1 broadcast)
@@ -140,6 +140,7 @@ class Builder:
         self.pinned: set = set()     # vars that are always materialised (scan results)
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
+        self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int) -> int:
@@ -252,6 +253,8 @@ class Builder:
         for c in composite:
             cls_sizes.pop(c, None)
         class_size = [cls_sizes.get(c, 1) for c in range(n_classes)]
+        for p in self.unshardable:
+            class_size[roots[self.find(p)]] = 1
         names: dict = {}
         for p in sorted(self.labels):   # earliest-created position names the class
             names.setdefault(roots[self.find(p)], self.labels[p])
@@ -365,6 +368,8 @@ def _walk(b, jaxpr, env, mult):
                 o = _inline(b, br, ins[1:], mult / len(branches))
                 outs = o if outs is None else outs
         elif (body := _jax.call_body(eqn)) is not None:
+            if _stacked.splits_entries(eqn) and ins[0] is not None:
+                b.unshardable.add(b.base[ins[0]])   # a layer axis (`jb.stack_layers`)
             outs = _inline(b, body, ins, mult)
         else:
             outs = [b.var_of(x.aval) for x in eqn.outvars]
@@ -394,7 +399,12 @@ def _scan(b, eqn, ins, mult):
             for a in range(len(b.shapes[w])):
                 b.union(v, a + 1, w, a)
             # Slicing iteration i needs the stacked axis whole on every
-            # device: a layer axis sharded over devices costs an all-gather.
+            # device: a layer axis sharded over devices costs an all-gather
+            # of every layer's weights (XLA gathers the whole stack before
+            # the loop), so the layer axis is never sharded; it is a program
+            # input's axis when the caller keeps layers stacked
+            # (`jb.stack_layers`), and would otherwise be a search option.
+            b.unshardable.add(b.base[v])
             n = len(b.shapes[w])
             b.ops.append(Op("map", mult, b.shapes[w], tuple((w, a) for a in range(n)),
                             ((v, (REPLICATED,) + tuple(range(n))),), ((w, tuple(range(n))),), (), 0.0))
@@ -415,7 +425,9 @@ def _scan(b, eqn, ins, mult):
                 b.uses[v] = len(b.ops)
                 ins_map = ((v, tuple(range(1, n))),)
             # The stacked result is a real buffer (e.g. residuals kept for
-            # the backward scan): produced here, never fused away.
+            # the backward scan): produced here, never fused away. Its layer
+            # axis is not sharded either (as the xs above).
+            b.unshardable.add(b.base[w])
             b.ops.append(Op("map", mult, b.shapes[w], tuple((w, a) for a in range(n)), ins_map,
                             ((w, tuple(range(n))),), (), 0.0))
             b.pinned.add(w)

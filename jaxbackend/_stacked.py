@@ -1,0 +1,235 @@
+"""`jb.stack_layers`: per-layer state kept stacked, the for-loop kept as written.
+
+`reroll` rolls a for-loop over L layers into one `scan`, but the program's
+inputs and outputs are still what the caller passes and gets back: one array
+per layer and weight (and per optimizer moment). A 64-layer GPT training
+step takes and returns 3089 arrays; XLA:CPU compiles one kernel per output
+and one concatenate operand per input, and those, not the layers, are most
+of its compile time (measured on that step: 11.1 s compiled per-layer, 4.1 s
+with its inputs and outputs stacked; `benchmarks/trace_once.py`). Optax,
+too, traces its update once per leaf.
+
+`stack_layers(tree)` replaces each sequence of L >= 2 structurally identical
+sub-trees (a list or tuple, or a dict keyed 0..L-1 as `nnx.to_pure_dict`
+writes an `nnx.List`) by a `Stacked`: one sub-tree whose arrays have a
+leading axis of L. A `Stacked` is a pytree node (optax, `jax.grad`,
+checkpoints and `jax.tree` see L-times-larger leaves, not L copies) and a
+sequence: `len`, indexing and iteration give layer i's sub-tree, so the
+user's `for w in weights: x = layer(w, x)` runs unchanged, traced or not.
+`unstack_layers` undoes it (the original containers, keys and order).
+
+Iterating splits every leaf at once with `split_layers`, a `custom_vjp`
+whose primal is L unit slices along axis 0 and whose backward rule
+concatenates the L cotangents back into one array. `reroll` recognises both
+(`passes._reroll_walk.Walk.keep`): the per-layer weights fed to its scans are then the
+stacked input itself, and the per-layer gradients a backward scan returns
+are its stacked output, so the program neither copies the weights into a
+stack nor splits the gradients out of one.
+
+When it keeps the results of the per-layer form: always, bitwise. The
+slices are exact; the backward rule moves cotangents without arithmetic,
+where the per-layer form returns them as they are (integer and boolean
+leaves are sliced plainly: they have no cotangent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxbackend import _jax
+
+
+@jax.custom_vjp
+def split_layers(a):
+    """(a[0], ..., a[L-1]) for an inexact array a of shape (L, ...): L unit
+    slices along axis 0, each squeezed; its gradient is one concatenate."""
+    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+
+
+def _split_fwd(a):
+    return split_layers(a), None
+
+
+def _split_bwd(_, cts):
+    shape = cts[0].shape
+    if not shape:
+        return (jnp.stack(cts),)
+    # one concatenate along the entries' own axis 0, then a bitcast reshape
+    # (the form `reroll` recognises and `_stacks.stack` emits)
+    return (lax.concatenate(list(cts), 0).reshape((len(cts),) + shape),)
+
+
+split_layers.defvjp(_split_fwd, _split_bwd)
+
+
+def _split_leaf(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return split_layers(a)
+    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Stacked(Sequence):
+    """L layers' sub-trees kept as one sub-tree of stacked arrays.
+
+    `tree`: the layer sub-tree with a leading axis of length L on every
+    leaf; `kind`: the container it came from ("list", "tuple" or "dict"),
+    restored by `unstack_layers`.
+    """
+
+    def __init__(self, tree, length: int, kind: str = "list"):
+        self.tree, self.length, self.kind = tree, length, kind
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Stacked(jax.tree.map(lambda a: a[i], self.tree),
+                           len(range(*i.indices(self.length))), self.kind)
+        if not -self.length <= i < self.length:
+            raise IndexError(f"Stacked: layer {i} of {self.length}")
+        i %= self.length
+        return jax.tree.map(lambda a: lax.index_in_dim(a, i, keepdims=False), self.tree)
+
+    def __iter__(self):
+        return iter(self.unstack())
+
+    def unstack(self) -> list:
+        """The L layers' sub-trees, split in one `split_layers` per leaf."""
+        leaves, treedef = jax.tree.flatten(self.tree)
+        per_leaf = [_split_leaf(a) for a in leaves]
+        return [jax.tree.unflatten(treedef, [p[i] for p in per_leaf]) for i in range(self.length)]
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("stacked"), self.tree),), (self.length, self.kind)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def __repr__(self) -> str:
+        shapes = jax.tree.map(lambda a: getattr(a, "shape", a), self.tree)
+        return f"Stacked({self.length} layers, {shapes})"
+
+
+def splits_entries(eqn) -> bool:
+    """Is output i of `eqn` entry i of its one operand, exactly (L outputs
+    for an operand of shape (L, ...))? True for a call (custom_vjp: the
+    primal of `jb.stack_layers`'s `split_layers`) whose body is L unit
+    slices along axis 0 at 0..L-1, each squeezed, and nothing else. The
+    check reads the body, not the function's name: what it computes is the
+    proof."""
+    body = _jax.call_body(eqn)
+    if body is None or len(eqn.invars) != 1 or not _jax.is_var(eqn.invars[0]):
+        return False
+    shape = eqn.invars[0].aval.shape
+    j = body.jaxpr
+    if not shape or shape[0] != len(j.outvars) or len(j.eqns) != 2 * shape[0]:
+        return False
+    made = {}
+    for e in j.eqns:
+        for v in e.outvars:
+            made[v] = e
+    for i, out in enumerate(j.outvars):
+        sq = made.get(out) if _jax.is_var(out) else None
+        if (sq is None or not _jax.is_var(sq.invars[0]) or sq.primitive.name != "squeeze"
+                or _jax.squeeze_dimensions(sq) != (0,)):
+            return False
+        sl = made.get(sq.invars[0])
+        if sl is None or sl.primitive.name != "slice" or sl.invars[0] is not j.invars[0]:
+            return False
+        start, limit, strides = _jax.slice_parts(sl)
+        if (start != (i,) + (0,) * (len(shape) - 1) or limit != (i + 1,) + tuple(shape[1:])
+                or (strides is not None and any(s != 1 for s in strides))):
+            return False
+    return True
+
+
+def _is_stacked(x) -> bool:
+    return isinstance(x, Stacked)
+
+
+def _layers(node):
+    """(kind, entries) when `node` is a list, tuple (not a NamedTuple) or
+    dict keyed 0..n-1 of n >= 2 entries, else None."""
+    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields") and len(node) >= 2:
+        return ("list" if isinstance(node, list) else "tuple"), list(node)
+    if isinstance(node, dict) and len(node) >= 2 and set(node) == set(range(len(node))):
+        return "dict", [node[i] for i in range(len(node))]
+    return None
+
+
+def _signature(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
+        return None
+    return treedef, tuple((tuple(a.shape), a.dtype) for a in leaves)
+
+
+def _rebuild(kind: str, entries: list):
+    if kind == "dict":
+        return dict(enumerate(entries))
+    return entries if kind == "list" else tuple(entries)
+
+
+def _difference(a, b) -> str:
+    if b is None:
+        return "no arrays, or leaves that are not arrays"
+    if a[0] != b[0]:
+        return "another tree structure"
+    k = next(k for k, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
+    return f"leaf {k}: shape {b[1][k][0]} {b[1][k][1]}, not {a[1][k][0]} {a[1][k][1]}"
+
+
+def _stack(tree, prefix: tuple, misses: list, found: list):
+    def visit(path, node):
+        got = _layers(node)
+        if got is None:
+            return node
+        where = prefix + path
+        kind, entries = got
+        sigs = [_signature(e) for e in entries]
+        bad = next((j for j, s in enumerate(sigs) if s != sigs[0]), None)
+        if sigs[0] is not None and bad is None:
+            found.append(where)
+            return Stacked(jax.tree.map(lambda *xs: jnp.stack(xs), *entries), len(entries), kind)
+        if sigs[0] is not None:
+            misses.append(f"at {jax.tree_util.keystr(where) or 'the top'}, layer {bad} differs "
+                          f"from layer 0 ({_difference(sigs[0], sigs[bad])})")
+        return _rebuild(kind, [_stack(e, where + (jax.tree_util.SequenceKey(j),), misses, found)
+                               for j, e in enumerate(entries)])
+
+    return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=lambda n: _layers(n) is not None)
+
+
+def stack_layers(tree):
+    """`tree` with each list, tuple or dict keyed 0..L-1 of L >= 2 layers
+    (sub-trees of arrays with one structure, shapes and dtypes) replaced by
+    a `Stacked` (module docstring). Sequences whose entries differ are
+    walked into and kept as they are; a tree where nothing stacks is an
+    error that says where layers differ."""
+    misses: list = []
+    found: list = []
+    out = _stack(tree, (), misses, found)
+    if not found:
+        raise ValueError(
+            "stack_layers: no list, tuple or dict keyed 0..n-1 of >= 2 layers with one "
+            "structure, shapes and dtypes in this tree" + "".join("; " + m for m in misses[:1])
+            + "; pass the tree that holds the layers (the params of nn.functional, or a list "
+            "of per-layer weight trees).")
+    return out
+
+
+def unstack_layers(tree):
+    """`tree` with every `Stacked` replaced by the container it was made
+    from, holding the per-layer sub-trees (traced: via `split_layers`)."""
+    def undo(x):
+        if not _is_stacked(x):
+            return x
+        return _rebuild(x.kind, [unstack_layers(e) for e in x.unstack()])
+    return jax.tree.map(undo, tree, is_leaf=_is_stacked)

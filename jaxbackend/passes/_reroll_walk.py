@@ -1,0 +1,326 @@
+"""`reroll`'s walk over one jaxpr: runs replaced by scans, the rest kept.
+
+`reroll._Splicer` finds the runs of a jaxpr (`_reroll_find`) and hands them
+to a `Walk`, which emits the new equations in order: each run as one `scan`
+(`Walk._scan`; its body is block 0's own equations re-wired), stacking the
+per-block inputs no earlier stack holds and recording every stack it makes
+or reads (variable -> (stack, index)), so later runs, the vectorised tail
+(`_reroll_vector`) and reads outside the scans find their values there.
+A stacked input split into layers (`jb.stack_layers`: `_stacked.splits_entries`)
+is recorded the same way, and a `concatenate` of consecutive entries of one
+stack (its gradient rule) reads a slice of that stack (`Walk.keep`).
+The invariant is `reroll`'s: every value read equals the original one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxbackend import _jax, _stacked
+from jaxbackend.passes import _reroll_vector, _stacks
+from jaxbackend.passes._reroll_run import Carry, Inner, Lit, Outside, Run
+
+
+class RolledRun(NamedTuple):
+    """One run rolled into one scan. `start` indexes the jaxpr holding the
+    run (the top level, or a sub-jaxpr for runs rolled inside one)."""
+
+    start: int
+    period: int          # equations per block
+    repeats: int         # blocks
+    reverse: bool        # the scan runs backwards (a backward pass)
+
+
+
+class Walk:
+    """One pass over one jaxpr's equations: runs replaced, the rest kept."""
+
+    def __init__(self, jaxpr, runs, b, stats, subs, min_repeats):
+        self.jaxpr, self.b, self.stats, self.min_repeats = jaxpr, b, stats, min_repeats
+        self.subs = subs      # eqn -> eqn with its sub-jaxprs rolled
+        self.run_at = {r.start: r for r in runs}
+        self.max_repeats = max((r.repeats for r in runs), default=0)
+        self.env = {}         # old var -> new atom, where they differ
+        self.stacked = {}     # old var -> (stack id, index): a per-block result
+        self.stacks = []      # stack id -> atom of the stacked array
+        self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
+        self.tail = max((r.stop for r in runs), default=len(jaxpr.eqns))
+        self.vector = {}      # position after the last run -> its Family (`_reroll_vector`)
+        self.family_out = {}  # (id(family), output k) -> atom of the stacked result
+        self.concatenated = set()   # atoms of the stacks this walk concatenated
+        self.held_stacks = {}       # such a stack -> its `held` atom
+
+    def kept(self):
+        """Yield (position, equation) for each equation outside runs, in
+        order, after emitting the scan of every run before it."""
+        eqns, i = self.jaxpr.eqns, 0
+        while i < len(eqns):
+            run = self.run_at.get(i)
+            if run is None:
+                yield i, eqns[i]
+                i += 1
+            else:
+                self._scan(run)
+                i = run.stop
+                if i == self.tail and self.min_repeats:   # every stack exists: plan the tail
+                    self.vector = _reroll_vector.plan(
+                        eqns[i:], self.stacked, {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
+                        self.min_repeats, self.jaxpr.outvars)
+
+    def vectorized(self, pos: int) -> bool:
+        """Whether equation `pos` is a member of an applied family (its
+        family's one equation is emitted at the last member)."""
+        fam = self.vector.get(pos - self.tail) if pos >= self.tail else None
+        if fam is None:
+            return False
+        if pos - self.tail == fam.last:
+            _reroll_vector.emit(self, fam)
+        return True
+
+    def keep(self, eqn):
+        if self._joins_a_stack(eqn):
+            return
+        invars = [self.read(v) for v in eqn.invars]
+        if any(a is not b for a, b in zip(invars, eqn.invars)):
+            eqn = eqn.replace(invars=invars)
+        self.b.append(eqn)
+        if _stacked.splits_entries(eqn):
+            # a stacked input split into its layers (`jb.stack_layers`): the
+            # scans read the input itself, not a copy stacked from the pieces
+            self.register(invars[0], eqn.outvars, defined=True)
+
+    def _joins_a_stack(self, eqn) -> bool:
+        """A `concatenate` along axis 0 of per-layer values, L of which are
+        entries i..i+L-1, in order, of one stack (the backward rule of
+        `jb.stack_layers` joining the per-layer gradients a backward scan
+        returned stacked) reads those L as one slice of the stack, reshaped
+        (a bitcast): not L entries indexed out and copied back in. When one
+        stack gives every operand, the result is that stack, reshaped.
+        Same values exactly: the concatenate only moves them."""
+        if (eqn.primitive.name != "concatenate" or len(eqn.invars) < 2
+                or _jax.concatenate_dimension(eqn) != 0 or not eqn.invars[0].aval.shape):
+            return False
+        pieces, k, vs = [], 0, eqn.invars
+        while k < len(vs):
+            run = self._stack_run(vs, k)
+            if run is None:
+                pieces.append(self.read(vs[k]))
+                k += 1
+                continue
+            sid, i0, n = run
+            arr, shape = self.stacks[sid], (n * vs[k].aval.shape[0],) + vs[k].aval.shape[1:]
+            pieces.append(self.b.emit(lambda a: lax.slice_in_dim(a, i0, i0 + n).reshape(shape),
+                                      [arr], key=("reroll.join", i0, n, shape))[0])
+            self.stats.stacks_reused += 1
+            k += n
+        if len(pieces) == len(vs):
+            return False                  # no run of stack entries: kept as it is
+        if len(pieces) == 1:
+            self.env[eqn.outvars[0]] = pieces[0]
+        else:
+            out = _jax.new_var(eqn.outvars[0].aval)
+            self.b.append(eqn.replace(invars=pieces, outvars=[out]))
+            self.env[eqn.outvars[0]] = out
+        return True
+
+    def _stack_run(self, vs, k):
+        """(stack id, first index, length >= 2) of the longest run of vs from
+        k on that are consecutive entries of one stack of their own shape."""
+        loc = self.stacked.get(vs[k]) if _jax.is_var(vs[k]) else None
+        if loc is None or self.stacks[loc[0]].aval.shape[1:] != vs[k].aval.shape:
+            return None
+        sid, i0 = loc
+        n = 1
+        while (k + n < len(vs) and _jax.is_var(vs[k + n])
+               and self.stacked.get(vs[k + n]) == (sid, i0 + n)):
+            n += 1
+        return (sid, i0, n) if n >= 2 else None
+
+    # -- environment ---------------------------------------------------------
+    def read(self, v):
+        if not _jax.is_var(v):
+            return v
+        new = self.env.get(v)
+        if new is not None:
+            return new
+        loc = self.stacked.get(v)
+        if loc is None:
+            return v               # defined by a kept equation, an input or a const
+        new = self.env[v] = self._index_out(*loc)  # a per-block result read outside its scan
+        return new
+
+    def _index_out(self, sid, idx):
+        """Entry idx of stack sid as an atom: one dynamic_slice at an opaque
+        offset (see `_stacks.opaque_indices`) and a reshape (a bitcast), so every
+        read of one shape is the same XLA kernel."""
+        arr = self.stacks[sid]
+        if not arr.aval.size:   # nothing to read, nor to compile: a static slice
+            return self.b.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
+                                key=("reroll.index", idx))[0]
+        out, = self.b.emit(_stacks.unstack_one, [arr, self.opaque_index(idx, arr)],
+                           key="reroll.unstack")
+        return out
+
+    def held(self, arr):
+        """`arr` for a vectorised family to read: a stack this walk
+        concatenated from at most `_stacks.CONCAT_FUSES_UP_TO` entries goes
+        through `_stacks.hold` (once), else XLA fuses the concatenate into
+        each element-wise reader, one large kernel per reader (measured: the
+        8-layer GPT AdamW step compiled in 11.8 s that way, 7.6 s held; the
+        16-layer one, whose stacks XLA does not fuse, in 5.2 s)."""
+        if (arr not in self.concatenated or not arr.aval.size
+                or arr.aval.shape[0] > _stacks.CONCAT_FUSES_UP_TO):
+            return arr
+        if arr not in self.held_stacks:
+            self.held_stacks[arr] = self.hold(arr)
+        return self.held_stacks[arr]
+
+    def hold(self, arr):
+        """`_stacks.hold(arr)`: arr materialised once, as one new atom."""
+        return self.b.emit(_stacks.hold, [arr, self.opaque_index(0, arr)], key="reroll.hold")[0]
+
+    def opaque_index(self, idx, like):
+        """The opaque int32 scalar idx (`_stacks.opaque_indices`), made on
+        first use. Its loop's trip count reads one element of the jaxpr's
+        smallest input (a replicated scalar, under a mesh, where there is
+        one: an optimizer's step count), else of `like`, a non-empty stack.
+        An input, because XLA folds constants: read from a stack of
+        per-layer constants (a mask made from iota), the trip count was
+        known, and XLA removed every `hold` loop and made every read of an
+        entry a kernel of its own."""
+        if self.indices is None:
+            n = self.max_repeats
+            inputs = [v for v in self.jaxpr.invars if getattr(v.aval, "size", 0)
+                      and not jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)]
+            src = min(inputs, key=lambda v: v.aval.size) if inputs else like
+            self.indices = self.b.emit(lambda a: _stacks.opaque_indices(n, a), [src],
+                                        key=("reroll.opaque", n))
+        return self.indices[idx]
+
+    def register(self, arr, vars_in_array_order, defined: bool = False):
+        """Record that entry idx of `arr` is var idx's value. `defined`: the
+        vars are results of kept equations, read as they are (not indexed
+        out of `arr`)."""
+        sid = len(self.stacks)
+        self.stacks.append(arr)
+        for idx, v in enumerate(vars_in_array_order):
+            if _jax.is_var(v):
+                self.stacked.setdefault(v, (sid, idx))
+                if defined:
+                    self.env.setdefault(v, v)
+
+    def _find_stack(self, vs):
+        """(stack id, first index, step) if vs are stack[i0 + step*j]."""
+        try:
+            locs = [self.stacked[v] for v in vs]
+        except (KeyError, TypeError):
+            return None
+        sid, i0 = locs[0]
+        step = locs[1][1] - i0
+        if step not in (1, -1) or any(s != sid or i != i0 + step * j
+                                      for j, (s, i) in enumerate(locs)):
+            return None
+        return sid, i0, step
+
+    # -- one run ---------------------------------------------------------------
+    def stack_inputs(self, vs, reverse: bool):
+        """Atom of the array whose entry t is block j's input, t = j (or
+        n-1-j if reverse): an earlier stack (or a slice of it) when one holds
+        exactly these values in this order, else a new stack (a copy)."""
+        n = len(vs)
+        hit = self._find_stack(vs)
+        if hit is not None and (hit[2] == -1) == reverse:
+            sid, i0, step = hit
+            lo = i0 if step == 1 else i0 - (n - 1)
+            arr = self.stacks[sid]
+            self.stats.stacks_reused += 1
+            if lo == 0 and arr.aval.shape[0] == n:
+                return arr
+            return self.b.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
+                                key=("reroll.slice", lo, n))[0]
+        order = list(reversed(vs)) if reverse else list(vs)
+        arr, = self.b.emit(lambda *xs: _stacks.stack(xs), [self.read(v) for v in order],
+                            key="reroll.stack")
+        self.concatenated.add(arr)
+        self.stats.stacked_copies += 1
+        self.stats.stacked_copy_bytes += int(np.prod(arr.aval.shape)) * arr.aval.dtype.itemsize
+        self.register(arr, order)
+        return arr
+
+    def _body(self, run: Run, const_slots, xs_slots):
+        """The scan body: block 0's own equations, re-wired (no re-trace) to
+        read body inputs consts + carry + xs, returning carry + ys."""
+        block = self.jaxpr.eqns[run.start:run.start + run.period]
+        new = _jax.new_var
+        consts = {s: new(run.outside[s][0].aval) for s in const_slots}
+        xs = {s: new(run.outside[s][0].aval) for s in xs_slots}
+        carry = [new(block[r].outvars[o].aval) for r, o in run.carry_slots]
+        local: dict = {}
+        eqns: list = []
+        for r, eqn in enumerate(block):
+            invars = []
+            for t, v in zip(run.template[r], eqn.invars):
+                if isinstance(t, Lit):
+                    invars.append(v)
+                elif type(t) is Inner:
+                    invars.append(local[t.slot])
+                elif isinstance(t, Carry):
+                    invars.append(carry[t.c])
+                else:
+                    assert isinstance(t, Outside)
+                    invars.append(xs[t.s] if t.s in xs else consts[t.s])
+            outvars = [new(v.aval) for v in eqn.outvars]
+            local.update(((r, o), v) for o, v in enumerate(outvars))
+            # the body's own sub-jaxprs are rolled too (a layer that is one
+            # remat equation may hold a loop of sub-layers): one pass suffices
+            eqns.append(self.subs(eqn).replace(invars=invars, outvars=outvars))
+        outvars = ([local[slot] for slot in run.carry_slots]
+                   + [local[slot] for slot in run.ys_slots] + [carry[c] for c in run.carry_ys])
+        invars = [consts[s] for s in const_slots] + carry + [xs[s] for s in xs_slots]
+        return _jax.as_closed(_jax.new_jaxpr(invars, outvars, eqns))
+
+    def _scan(self, run: Run):
+        n = run.repeats
+        per_block = [s for s, vs in enumerate(run.outside) if any(v is not vs[0] for v in vs)]
+        # direction: follow the first per-block input an earlier stack holds reversed
+        reverse = False
+        for s in per_block:
+            hit = self._find_stack(run.outside[s])
+            if hit is not None:
+                reverse = hit[2] == -1
+                break
+        const_slots = [s for s in range(len(run.outside)) if s not in set(per_block)]
+        args = ([self.read(run.outside[s][0]) for s in const_slots]
+                + [self.read(v) for v in run.carry_init]
+                + [self.stack_inputs(run.outside[s], reverse) for s in per_block])
+        body = self._body(run, const_slots, per_block)
+        n_consts, n_carry = len(const_slots), len(run.carry_slots)
+        outs = self.b.emit(lambda *a: _jax.scan_bind(body, a, length=n, reverse=reverse,
+                                                     n_consts=n_consts, n_carry=n_carry), args)
+        final, ys = outs[:len(run.carry_slots)], outs[len(run.carry_slots):]
+        self.stats.runs.append(RolledRun(run.start, run.period, n, reverse))
+        pos = (lambda j: n - 1 - j) if reverse else (lambda j: j)
+        eqns = self.jaxpr.eqns
+
+        def out_var(j, slot):
+            return eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]
+
+        for c, slot in enumerate(run.carry_slots):
+            v = out_var(n - 1, slot)
+            if not _jax.is_dropvar(v):
+                self.env[v] = final[c]
+        for arr, slot in zip(ys, run.ys_slots):
+            order = [None] * n
+            for j in range(n):
+                order[pos(j)] = out_var(j, slot)
+            self.register(arr, order)
+        for arr, c in zip(ys[len(run.ys_slots):], run.carry_ys):
+            # entry for block j is its carry-in: the init, or block j-1's result
+            order = [None] * n
+            for j in range(n):
+                order[pos(j)] = run.carry_init[c] if j == 0 else out_var(j - 1, run.carry_slots[c])
+            self.register(arr, order)

@@ -1,0 +1,224 @@
+"""`jb.stack_layers`: per-layer state kept stacked while the for-loop stays
+as written. The container round-trips, iterates and differentiates like the
+list it replaces; `reroll` feeds the stack itself to its scans and returns
+the stacked gradient without splitting it; the sharding search never shards
+the layer axis; the library GPT's AdamW step over stacked params equals the
+per-layer step."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbackend as jb
+from jaxbackend import _jax, _stacked, testing
+
+L = 6   # > passes.REROLL_MIN_REPEATS: the loops below are rolled
+
+
+def _weights(n=L, d=8):
+    ks = jax.random.split(jax.random.key(0), 2 * n)
+    return [{"w": jax.random.normal(ks[2 * i], (d, d)) / 3,
+             "b": jax.random.normal(ks[2 * i + 1], (d,)) / 3} for i in range(n)]
+
+
+def _loss(ws, x):
+    for w in ws:
+        x = x + jnp.tanh(x @ w["w"] + w["b"])
+    return jnp.sum(x ** 2)
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (4, 8))
+
+
+def _same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict"])
+def test_stack_layers_round_trips_each_container(kind):
+    ws = _weights()
+    tree = {"list": ws, "tuple": tuple(ws), "dict": dict(enumerate(ws))}[kind]
+    s = jb.stack_layers({"blocks": tree, "head": jnp.ones(3)})
+    assert isinstance(s["blocks"], jb.Stacked) and len(s["blocks"]) == L
+    assert [a.shape for a in jax.tree.leaves(s["blocks"])] == [(L, 8), (L, 8, 8)]
+    _same(jb.unstack_layers(s), {"blocks": tree, "head": jnp.ones(3)})
+
+
+def test_stacked_indexes_slices_and_iterates_like_the_list():
+    ws = _weights()
+    s = jb.stack_layers(ws)
+    _same(s[2], ws[2])
+    _same(s[-1], ws[-1])
+    _same(list(s[1:3]), ws[1:3])
+    _same(list(s), ws)
+    with pytest.raises(IndexError, match="layer 6 of 6"):
+        s[L]
+    # a pytree: the leaves are the stacked arrays, and map keeps the container
+    doubled = jax.tree.map(lambda a: 2 * a, s)
+    assert isinstance(doubled, jb.Stacked)
+    _same(list(doubled), [jax.tree.map(lambda a: 2 * a, w) for w in ws])
+
+
+def test_layers_that_differ_are_kept_and_a_tree_without_layers_is_an_error():
+    ws = _weights()
+    ws[3] = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((8,))}      # another width
+    with pytest.raises(ValueError, match=r"at \['blocks'\], layer 3 differs from layer 0 "
+                                         r"\(leaf 1: shape \(8, 4\) float32, not \(8, 8\)"):
+        jb.stack_layers({"blocks": ws})
+    mixed = jb.stack_layers({"blocks": ws, "more": _weights(3)})
+    assert isinstance(mixed["more"], jb.Stacked)
+    _same(mixed["blocks"], ws)
+
+
+def test_the_gradient_through_a_stacked_loop_is_the_stacked_gradient():
+    ws, x = _weights(), _x()
+    want = jax.grad(_loss)(ws, x)
+    got = jax.jit(jax.grad(_loss))(jb.stack_layers(ws), x)
+    assert isinstance(got, jb.Stacked)
+    testing.assert_close(got, jb.stack_layers(want), scale=lambda: testing.abs_scale(
+        lambda w: jb.stack_layers(jax.grad(_loss)(w, x)), ws), what="stacked gradient")
+
+
+def _eqns(closed):
+    out, todo = [], [closed.jaxpr]
+    while todo:
+        j = todo.pop()
+        out += j.eqns
+        for e in j.eqns:
+            todo += [s.jaxpr if hasattr(s, "jaxpr") else s for s in _jax.sub_jaxprs(e)]
+    return out
+
+
+@pytest.mark.parametrize("argnums", [(0, 1), 0], ids=["x too", "weights only"])
+def test_rolled_stacked_loop_reads_the_stack_and_returns_its_gradient_stacked(argnums):
+    # "x too": every layer's backward is alike, the weight gradient is the
+    # backward scan's stacked output itself. "weights only": layer 0's
+    # backward (no gradient for x) stays outside the run, so the gradient is
+    # that layer's and one slice of the stack, joined.
+    ws, x = _weights(), _x()
+    vg = jax.value_and_grad(_loss, argnums=argnums)
+    f = jb.jit(vg)
+    s = jb.stack_layers(ws)
+    got = f(s, x)
+    report = str(f.last_report)
+    assert "reroll.runs: 2" in report
+    eqns = _eqns(jax.make_jaxpr(f)(s, x).eqns[0].params["jaxpr"])
+    # no copy into a stack: no concatenate of per-layer weights, and the
+    # stack's entries are not split out (nor are gradients indexed out)
+    assert not [e for e in eqns if e.primitive.name == "concatenate" and len(e.invars) > 2]
+    assert not [e for e in eqns if e.primitive.name == "custom_vjp_call"]
+    assert "reroll.stacked_copies: 0" in report
+    restack = (lambda out: (out[0], jb.stack_layers(out[1])) if argnums == 0 else  # noqa: E731
+               (out[0], (jb.stack_layers(out[1][0]), out[1][1])))
+    testing.assert_close(got, restack(vg(ws, x)),
+                         scale=lambda: restack(testing.abs_scale(vg, ws, x)),
+                         what="rolled stacked value_and_grad")
+
+
+def test_a_stacked_loop_shorter_than_the_reroll_minimum_is_rolled():
+    # rolling stacked layers copies nothing, so it pays from 2 layers
+    from jaxbackend import passes
+
+    n = passes.REROLL_MIN_REPEATS - 2
+    ws, x = _weights(n), _x()
+    vg = jax.value_and_grad(_loss, argnums=(0, 1))
+    f = jb.jit(vg)
+    got = f(jb.stack_layers(ws), x)
+    assert "reroll.runs: 2" in str(f.last_report)
+    f_list = jb.jit(vg)
+    f_list(ws, x)
+    assert "reroll.runs: 0" in str(f_list.last_report)     # the list: not rolled
+    want = vg(ws, x)
+    testing.assert_close(got, (want[0], (jb.stack_layers(want[1][0]), want[1][1])),
+                         scale=lambda: testing.abs_scale(vg, jb.stack_layers(ws), x),
+                         what="short stacked loop")
+
+
+def _reversed_split(a):
+    return tuple(a[a.shape[0] - 1 - i] for i in range(a.shape[0]))
+
+
+rev = jax.custom_vjp(_reversed_split)
+rev.defvjp(lambda a: (rev(a), None), lambda _, cts: (jnp.stack(cts[::-1]),))
+
+
+def test_only_a_body_of_in_order_unit_slices_counts_as_the_layers():
+    a = jnp.arange(24.0).reshape(L, 4)
+    ok = jax.make_jaxpr(_stacked.split_layers)(a).eqns[0]
+    bad = jax.make_jaxpr(rev)(a).eqns[0]
+    assert _stacked.splits_entries(ok)
+    assert not _stacked.splits_entries(bad)
+
+    def loss(stack, x):     # the layers in reverse: reroll must not read them in order
+        for w in rev(stack):
+            x = jnp.tanh(x * w)
+        return jnp.sum(x)
+
+    f = jax.value_and_grad(loss, argnums=(0, 1))
+    x = jnp.linspace(-1, 1, 4)
+    testing.assert_close(jb.jit(f)(a / 24, x), f(a / 24, x),
+                         scale=lambda: testing.abs_scale(f, a / 24, x), what="reversed layers")
+
+
+@functools.cache
+def _gpt():
+    """The library GPT's AdamW step (returning its gradients too), per-layer
+    and stacked params, the per-layer result under jax.jit and its
+    abs_scale (computed once: it compiles the step's error model)."""
+    import optax
+    from flax import nnx
+
+    from jaxbackend import nn, passes
+    from jaxbackend.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layers=passes.REROLL_MIN_REPEATS,
+                          embd=16, heads=2), rngs=nnx.Rngs(0))
+    params, loss_fn = nn.functional(model, "loss")
+    stacked, _ = nn.functional(model, "loss", stacked=True)
+    tx = optax.adamw(1e-2)
+
+    def step(params, opt_state, x, y):     # loss_fn takes either form of params
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    x = jax.random.randint(jax.random.key(1), (8, 8), 0, 32)
+    args = (params, tx.init(params), x, jnp.roll(x, -1, axis=1))
+    stacked_args = (stacked, tx.init(stacked), *args[2:])
+    # AdamW divides by sqrt(nu): the moments' and updates' rounding is the
+    # gradient's, carried by |derivative| in the error model (taken over the
+    # rolled program, whose error model compiles as a loop: the same terms)
+    scale = testing.abs_scale(jb.jit(step), *stacked_args)
+    return step, stacked_args, jb.stack_layers(jax.jit(step)(*args)), scale
+
+
+def test_gpt_adamw_step_over_stacked_params_equals_the_per_layer_step():
+    from jaxbackend import passes
+
+    step, args, want, scale = _gpt()
+    assert isinstance(args[0]["blocks"], jb.Stacked)
+    assert len(args[0]["blocks"]) == passes.REROLL_MIN_REPEATS
+    f = jb.jit(step)
+    got = f(*args)
+    assert "reroll.runs: 2" in str(f.last_report)
+    testing.assert_close(got, want, scale=scale, what="stacked GPT AdamW step")
+
+
+def test_gpt_over_stacked_params_under_a_mesh_never_shards_the_layer_axis():
+    from jaxbackend import passes, sharding
+
+    step, args, want, scale = _gpt()
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    f = jb.jit(step, mesh=mesh)
+    got = f(*args)
+    n = passes.REROLL_MIN_REPEATS
+    layer_axes = [spec[0] if len(spec) else None for spec, leaf in
+                  zip(f.plan.in_specs(), jax.tree.leaves(args)) if leaf.ndim and leaf.shape[0] == n]
+    assert len(layer_axes) >= 2 * 16 and all(a is None for a in layer_axes), layer_axes
+    testing.assert_close(got, want, scale=scale, what="sharded stacked GPT step")
