@@ -7,11 +7,13 @@ order, and reports the median of `--repeat` processes.
 
 * `depth`: trace + passes + search + lower + compile seconds against layers
   on a (2, 4) mesh, embd 128, 4 heads, seq 256, batch 64, three ways:
-  `jb.jit(step, mesh=)` (searched plan), `jb.jit(step)` without a mesh
-  (layers rolled into scan, one device), and `jax.jit` on inputs placed with
-  hand Megatron rules (unrolled). Targets: the mesh column at 32 layers
-  <= 1.5x its 4-layer figure, and <= the hand-rules column at every depth
-  >= 8.
+  `jb.jit(step, mesh=)` (searched plan), the same with the params from
+  `nn.functional(model, "loss", stacked=True)` (`jb.stack_layers`: the same
+  for-loop, per-layer weights and optimizer state kept stacked across
+  calls), `jb.jit(step)` without a mesh (layers rolled into scan, one
+  device), and `jax.jit` on inputs placed with hand Megatron rules
+  (unrolled). Targets: the mesh columns at 32 layers <= 1.5x their 4-layer
+  figure, and <= the hand-rules column at every depth >= 8.
 * `plans`: the collective bytes of the compiled HLO (per device, scan
   bodies counted once per trip), per-device memory (measured by XLA against
   the plan's prediction) and the SPMD partitioner's "involuntary full
@@ -107,6 +109,8 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     from jaxbackend import nn, sharding
 
     model, params, tx, step, x, y = _setup(layers, **dims)
+    if kind == "stacked":       # the same step over jb.stack_layers(params)
+        params = jb.stack_layers(params)
     names = ("data", "model")[:len(mesh_shape)]
     mesh = sharding.auto_mesh(mesh_shape, names)
     out: dict = {}
@@ -126,7 +130,8 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         opt_state = jax.jit(tx.init)(params)
         t0 = time.perf_counter()   # placement is not compile time
         compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
-    else:                       # jb.jit(mesh=): searched ("search") or given rules
+    else:                       # jb.jit(mesh=): searched ("search") or given rules, per-layer
+                                # or stacked params
         opt_state = tx.init(params)
         rules = None if rules_name == "search" else for_mesh(HAND_RULES[rules_name], names)
         f = jb.jit(step, mesh=mesh, rules=rules)
@@ -162,19 +167,22 @@ def spawn(kind: str, layers: int, mesh_shape: tuple, rules: str, dims: dict) -> 
 # --- tables ------------------------------------------------------------------
 
 def depth_table(depths, repeat: int, dims: dict) -> tuple[list, dict]:
-    cols = [("searched", "search", (2, 4)), ("rolled", "search", (2, 4)),
-            ("hand", "megatron", (2, 4))]
+    cols = [("searched", "search", (2, 4)), ("stacked", "search", (2, 4)),
+            ("rolled", "search", (2, 4)), ("hand", "megatron", (2, 4))]
     runs = {(c, d): [] for c, _, _ in cols for d in depths}
     for _ in range(repeat):            # interleaved: load hits every column alike
         for d in depths:
             for c, rules, mesh in cols:
                 runs[(c, d)].append(spawn(c, d, mesh, rules, dims)["seconds"])
     med = {k: statistics.median(v) for k, v in runs.items()}
-    rows = ["| layers | `jb.jit(mesh=)` searched (s) | `jb.jit` no mesh, rolled (s) | "
-            "`jax.jit` Megatron rules, unrolled (s) | searched / hand |", "|---|---|---|---|---|"]
+    rows = ["| layers | `jb.jit(mesh=)` searched (s) | `jb.jit(mesh=)` searched, stacked params (s) | "
+            "`jb.jit` no mesh, rolled (s) | `jax.jit` Megatron rules, unrolled (s) | "
+            "searched / hand | stacked / hand |", "|---|---|---|---|---|---|---|"]
     for d in depths:
-        rows.append(f"| {d} | {med[('searched', d)]:.2f} | {med[('rolled', d)]:.2f} | "
-                    f"{med[('hand', d)]:.2f} | {med[('searched', d)] / med[('hand', d)]:.2f} |")
+        rows.append(f"| {d} | {med[('searched', d)]:.2f} | {med[('stacked', d)]:.2f} | "
+                    f"{med[('rolled', d)]:.2f} | {med[('hand', d)]:.2f} | "
+                    f"{med[('searched', d)] / med[('hand', d)]:.2f} | "
+                    f"{med[('stacked', d)] / med[('hand', d)]:.2f} |")
     return rows, med
 
 
@@ -185,15 +193,17 @@ def plans_table(depths, meshes, dims: dict) -> tuple[list, list]:
     found = []
     for d in depths:
         for mesh in meshes:
-            for name in ("search", *HAND_RULES):
-                r = spawn("searched", d, mesh, name, dims)
+            for name in ("search", "stacked", *HAND_RULES):
+                kind, rules = ("stacked", "search") if name == "stacked" else ("searched", name)
+                r = spawn(kind, d, mesh, rules, dims)
                 c = r["collectives"]
                 total = sum(v["bytes"] for v in c.values()) / 2 ** 20
                 other = sum(v["count"] for k, v in c.items() if k not in ("all-reduce", "all-gather"))
                 pred = r.get("predicted_memory")
                 ratio = f"{pred / r['memory']:.2f}" if pred else "-"
-                label = "searched: " + ", ".join(f"{k}->{v}" for k, v in sorted(r["rules"].items())) \
-                    if name == "search" else name
+                label = (("searched: " if name == "search" else "searched, stacked params: ")
+                         + ", ".join(f"{k}->{v}" for k, v in sorted(r["rules"].items()))
+                         if name in ("search", "stacked") else name)
                 rows.append(f"| {d} | {mesh} | {label} | {total:.1f} | {c['all-reduce']['count']} | "
                             f"{c['all-gather']['count']} | {other} | {r['memory'] / 2 ** 20:.1f} | "
                             f"{ratio} | {r['warnings']} |")
@@ -205,28 +215,31 @@ def verdicts(med, depths, found) -> list:
     out = []
     if med:
         lo, hi = min(depths), max(depths)
-        r = med[("searched", hi)] / med[("searched", lo)]
-        out.append(f"- mesh column {hi} / {lo} layers = {r:.2f} (target <= 1.5): "
-                   f"{'MET' if r <= 1.5 else 'MISSED'}")
-        worst = max((med[("searched", d)] / med[("hand", d)] for d in depths if d >= 8), default=None)
-        if worst is not None:
-            out.append(f"- mesh column / hand rules, worst depth >= 8 = {worst:.2f} (target <= 1): "
-                       f"{'MET' if worst <= 1 else 'MISSED'}")
+        for col in ("searched", "stacked"):
+            r = med[(col, hi)] / med[(col, lo)]
+            out.append(f"- {col} column {hi} / {lo} layers = {r:.2f} (target <= 1.5): "
+                       f"{'MET' if r <= 1.5 else 'MISSED'}")
+            worst = max((med[(col, d)] / med[("hand", d)] for d in depths if d >= 8), default=None)
+            if worst is not None:
+                out.append(f"- {col} column / hand rules, worst depth >= 8 = {worst:.2f} "
+                           f"(target <= 1): {'MET' if worst <= 1 else 'MISSED'}")
     if found:
         groups = {}
         for d, mesh, name, total, warn, pred, meas in found:
             groups.setdefault((d, mesh), {})[name] = (total, warn, pred, meas)
-        worse = [(k, g["search"][0], min(v[0] for n, v in g.items() if n != "search"))
-                 for k, g in groups.items()]
-        bad = [w for w in worse if w[1] > w[2] * 1.001]
-        out.append(f"- searched bytes <= best hand set: {len(worse) - len(bad)}/{len(worse)} cases "
-                   f"{'MET' if not bad else 'MISSED: ' + '; '.join(f'{k}: {a:.1f} vs {b:.1f} MiB' for k, a, b in bad)}")
-        warns = sum(g["search"][1] for g in groups.values())
-        out.append(f"- remat warnings of searched plans: {warns} (target 0): {'MET' if not warns else 'MISSED'}")
-        off = [abs(g["search"][2] / g["search"][3] - 1) for g in groups.values() if g["search"][2]]
-        if off:
-            out.append(f"- predicted vs measured memory, worst {max(off):.0%} (target <= 20%): "
-                       f"{'MET' if max(off) <= 0.2 else 'MISSED'}")
+        for who, label in (("search", "searched"), ("stacked", "searched (stacked params)")):
+            worse = [(k, g[who][0], min(v[0] for n, v in g.items() if n in HAND_RULES))
+                     for k, g in groups.items()]
+            bad = [w for w in worse if w[1] > w[2] * 1.001]
+            out.append(f"- {label} bytes <= best hand set: {len(worse) - len(bad)}/{len(worse)} "
+                       f"cases {'MET' if not bad else 'MISSED: ' + '; '.join(f'{k}: {a:.1f} vs {b:.1f} MiB' for k, a, b in bad)}")
+            warns = sum(g[who][1] for g in groups.values())
+            out.append(f"- remat warnings of {label} plans: {warns} (target 0): "
+                       f"{'MET' if not warns else 'MISSED'}")
+            off = [abs(g[who][2] / g[who][3] - 1) for g in groups.values() if g[who][2]]
+            if off:
+                out.append(f"- {label}: predicted vs measured memory, worst {max(off):.0%} "
+                           f"(target <= 20%): {'MET' if max(off) <= 0.2 else 'MISSED'}")
     return out
 
 

@@ -8,6 +8,10 @@
   same `jit` equation per layer (reroll rolls the run into `scan`);
 * `uncached`: the block's equations traced at every layer (its `forward`),
   what the for-loop cost before;
+* `stacked`: `cached`, with the params from `nn.functional(model, "loss",
+  stacked=True)` (`jb.stack_layers`): the same model and for-loop, its
+  per-layer weights (and so the optimizer state) kept as stacked arrays
+  across calls instead of one array per layer;
 * `hand scan`: `jax.jit` of the same model written the way users get flat
   compile time today: block states stacked, one `jax.lax.scan` over them.
 
@@ -17,7 +21,8 @@ program, against `unrolled` (the cached model with `reroll=False`). Every point 
 cache shared), variants interleaved; medians of `--repeat` processes.
 Targets (issue 13): cached total at 64 layers <= 1.3x its 4-layer figure and
 <= 1.25x the hand scan at every depth; tracing at 64 layers <= 2x 4 layers;
-runtime rolled / unrolled <= 1.10.
+runtime rolled / unrolled <= 1.10 (the `stacked` program is timed in the
+same alternation).
 
 Run: `python benchmarks/trace_once.py` (`--quick`: small depths, writes nothing).
 """
@@ -35,11 +40,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-VARIANTS = ("cached", "uncached", "hand scan")
+VARIANTS = ("cached", "stacked", "uncached", "hand scan")
 STEPS = 10   # timed steps per point (after one warm-up)
 
 
-TF_VARIANTS = ("tf cached", "tf hand scan")
+TF_VARIANTS = ("tf cached", "tf stacked", "tf hand scan")
 
 
 def run_transformer_point(variant: str, layers: int) -> dict:
@@ -55,6 +60,8 @@ def run_transformer_point(variant: str, layers: int) -> dict:
     x, layers_ = T.init_transformer(jax.random.key(layers), layers)
     if variant == "tf cached":
         fn, args, compile_with = T.cached_loop_transformer, (x, layers_), jb.jit
+    elif variant == "tf stacked":   # the same for-loop over jb.stack_layers(layers)
+        fn, args, compile_with = T.cached_loop_transformer, (x, jb.stack_layers(layers_)), jb.jit
     else:
         fn, args, compile_with = T.scan_transformer, (x, T.stack_layers(layers_)), jax.jit
     vg = jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)
@@ -91,7 +98,7 @@ def run_point(variant: str, layers: int) -> dict:
         params, loss_fn = _hand_scan(model, lm_loss)
         compile_with = jax.jit
     else:
-        params, loss_fn = nn.functional(model, "loss")
+        params, loss_fn = nn.functional(model, "loss", stacked=variant == "stacked")
         compile_with = lambda f: jb.jit(f, **compile_kw)  # noqa: E731
 
     def step(params, opt_state, x, y):
@@ -101,7 +108,7 @@ def run_point(variant: str, layers: int) -> dict:
 
     opt_state = tx.init(params)
     if variant == "paired":
-        return _paired_runtime(step, params, opt_state, x)
+        return _paired_runtime(step, tx, params, opt_state, x)
     t0 = time.perf_counter()
     jax.make_jaxpr(step)(params, opt_state, x, x)
     t1 = time.perf_counter()
@@ -118,9 +125,10 @@ def run_point(variant: str, layers: int) -> dict:
     return {"trace": t1 - t0, "total": total, "step": statistics.median(times)}
 
 
-def _paired_runtime(step, params, opt_state, x, rounds: int = 7) -> dict:
-    """Runtime per step of the rolled and the unrolled (`reroll=False`)
-    programs in one process, their calls alternating in rounds of STEPS:
+def _paired_runtime(step, tx, params, opt_state, x, rounds: int = 7) -> dict:
+    """Runtime per step of the rolled, the unrolled (`reroll=False`) and the
+    stacked (`jb.stack_layers` params, rolled) programs in one process, their
+    calls alternating in rounds of STEPS:
     the run-to-run spread between processes on this machine (+-20%) is
     larger than the difference measured, and alternating in one process
     cancels it."""
@@ -128,15 +136,18 @@ def _paired_runtime(step, params, opt_state, x, rounds: int = 7) -> dict:
 
     import jaxbackend as jb
 
-    progs = {v: jb.jit(step, reroll=(v == "rolled")).lower(params, opt_state, x, x).compile()
-             for v in ("rolled", "unrolled")}
+    stacked = jb.stack_layers(params)
+    args = {"rolled": (params, opt_state), "unrolled": (params, opt_state),
+            "stacked": (stacked, tx.init(stacked))}
+    progs = {v: jb.jit(step, reroll=(v != "unrolled")).lower(*a, x, x).compile()
+             for v, a in args.items()}
     times: dict = {v: [] for v in progs}
     for _ in range(rounds):
         for v, c in progs.items():
-            jax.block_until_ready(c(params, opt_state, x, x))
+            jax.block_until_ready(c(*args[v], x, x))
             for _ in range(STEPS):
                 t = time.perf_counter()
-                jax.block_until_ready(c(params, opt_state, x, x))
+                jax.block_until_ready(c(*args[v], x, x))
                 times[v].append(time.perf_counter() - t)
     return {v: statistics.median(ts) for v, ts in times.items()}
 
@@ -190,20 +201,25 @@ def _transformer_section(med, depths, verdict) -> str:
     from _report import table
 
     lo, hi = depths[0], depths[-1]
-    r = {m: med["tf cached", hi][m] / med["tf cached", lo][m] for m in ("trace", "total")}
-    worst = max(med["tf cached", n]["total"] / med["tf hand scan", n]["total"] for n in depths)
     rows = [[n, *(f"{med[v, n][m]:.2f}" for v in TF_VARIANTS for m in ("trace", "total")),
-             f"{med['tf cached', n]['total'] / med['tf hand scan', n]['total']:.2f}"] for n in depths]
-    return ("\nThe pre-LN transformer of `compile_scaling --section reroll` (value_and_grad "
-            "w.r.t. input and weights, no optimizer), its for-loop with the layer in `jb.layer` "
-            "(`programs.transformer.cached_loop_transformer`) under `jb.jit` vs the hand scan "
-            "under `jax.jit`; seconds:\n\n"
-            + table(["layers", "jb.layer trace", "jb.layer total", "hand scan trace",
-                     "hand scan total", "jb.layer / hand scan"], rows)
-            + f"\n\n- total {hi} / {lo} layers = {r['total']:.2f} (target <= 1.3): "
-            f"{verdict(r['total'] <= 1.3)}\n- tracing {hi} / {lo} layers = {r['trace']:.2f} "
-            f"(target <= 2): {verdict(r['trace'] <= 2)}\n- jb.layer / hand scan, worst depth = "
-            f"{worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n")
+             *(f"{med[v, n]['total'] / med['tf hand scan', n]['total']:.2f}"
+               for v in ("tf cached", "tf stacked"))] for n in depths]
+    out = ("\nThe pre-LN transformer of `compile_scaling --section reroll` (value_and_grad "
+           "w.r.t. input and weights, no optimizer), its for-loop with the layer in `jb.layer` "
+           "(`programs.transformer.cached_loop_transformer`) under `jb.jit` over the list of "
+           "layer weights (`jb.layer`) or over `jb.stack_layers` of it (`stacked`), vs the hand "
+           "scan under `jax.jit`; seconds:\n\n"
+           + table(["layers", "jb.layer trace", "jb.layer total", "stacked trace", "stacked total",
+                    "hand scan trace", "hand scan total", "jb.layer / hand scan",
+                    "stacked / hand scan"], rows) + "\n\n")
+    for v in ("tf cached", "tf stacked"):
+        r = {m: med[v, hi][m] / med[v, lo][m] for m in ("trace", "total")}
+        worst = max(med[v, n]["total"] / med["tf hand scan", n]["total"] for n in depths)
+        out += (f"- {v}: total {hi} / {lo} layers = {r['total']:.2f} (target <= 1.3): "
+                f"{verdict(r['total'] <= 1.3)}; tracing {hi} / {lo} layers = {r['trace']:.2f} "
+                f"(target <= 2): {verdict(r['trace'] <= 2)}; / hand scan, worst depth = "
+                f"{worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n")
+    return out
 
 
 def main() -> None:
@@ -227,38 +243,50 @@ def main() -> None:
     from jaxbackend.passes.pipeline import REROLL_MIN_REPEATS
 
     rt_depths = [n for n in depths if ("unrolled", n) in med]
-    ratio = {n: med["paired", n]["rolled"] / med["paired", n]["unrolled"] for n in rt_depths}
-    # below REROLL_MIN_REPEATS nothing is rolled: both columns run one program
-    slow = {n: r for n, r in ratio.items() if n >= REROLL_MIN_REPEATS}
+    # below REROLL_MIN_REPEATS nothing is rolled: the columns run one program
     rows = [[n, *(f"{med[v, n][m]:.2f}" for v in VARIANTS for m in ("trace", "total")),
-             f"{med['cached', n]['total'] / med['hand scan', n]['total']:.2f}"] for n in depths]
+             *(f"{med[v, n]['total'] / med['hand scan', n]['total']:.2f}"
+               for v in ("cached", "stacked"))] for n in depths]
     lo, hi = depths[0], depths[-1]
-    c = {m: med["cached", hi][m] / med["cached", lo][m] for m in ("trace", "total")}
-    worst = max(med["cached", n]["total"] / med["hand scan", n]["total"] for n in depths)
     verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
     from _report import table, write_section
+
+    def targets(v: str) -> str:
+        c = {m: med[v, hi][m] / med[v, lo][m] for m in ("trace", "total")}
+        worst = max(med[v, n]["total"] / med["hand scan", n]["total"] for n in depths)
+        return (f"- {v} total {hi} / {lo} layers = {c['total']:.2f} (target <= 1.3): "
+                f"{verdict(c['total'] <= 1.3)}\n- {v} tracing {hi} / {lo} layers = "
+                f"{c['trace']:.2f} (target <= 2): {verdict(c['trace'] <= 2)}\n- {v} / hand scan, "
+                f"worst depth = {worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n")
+
+    rt = {v: {n: med["paired", n][v] / med["paired", n]["unrolled"] for n in rt_depths}
+          for v in ("rolled", "stacked")}
+
+    def rt_target(v: str) -> str:
+        slow = {n: r for n, r in rt[v].items() if n >= REROLL_MIN_REPEATS}
+        return (f"- {v} / unrolled runtime, worst rolled depth (>= {REROLL_MIN_REPEATS} layers, "
+                f"`passes.REROLL_MIN_REPEATS`) = {max(slow.values(), default=float('nan')):.2f} "
+                f"(target <= 1.10): {verdict(bool(slow) and max(slow.values()) <= 1.10)}\n")
 
     body = (f"GPT training step (value_and_grad + AdamW), embd 64, 4 heads, seq 64, batch 8; "
             f"seconds, median of {repeat} fresh processes per point:\n\n"
             + table(["layers"] + [f"{v} {m}" for v in VARIANTS for m in ("trace", "total")]
-                    + ["cached / hand scan"], rows)
-            + f"\n\nTargets:\n- cached total {hi} / {lo} layers = {c['total']:.2f} (target <= 1.3): "
-            f"{verdict(c['total'] <= 1.3)}\n- cached tracing {hi} / {lo} layers = {c['trace']:.2f} "
-            f"(target <= 2): {verdict(c['trace'] <= 2)}\n- cached / hand scan, worst depth = "
-            f"{worst:.2f} (target <= 1.25): {verdict(worst <= 1.25)}\n"
-            f"\nRuntime per step, ms: rolled and unrolled in one process, their calls alternating "
-            f"(7 rounds of {STEPS} steps each, median; then the median of the processes); hand scan: "
-            f"its own process ({STEPS} steps). `unrolled`: as shipped with `reroll=False` (its compile total: "
+                    + ["cached / hand scan", "stacked / hand scan"], rows)
+            + "\n\nTargets:\n" + targets("cached") + targets("stacked")
+            + f"\nRuntime per step, ms: rolled (cached), stacked and unrolled in one process, their "
+            f"calls alternating (7 rounds of {STEPS} steps each, median; then the median of the "
+            f"processes); hand scan: its own process ({STEPS} steps). `unrolled`: as shipped with "
+            f"`reroll=False` (its compile total: "
             + ", ".join(f"{med['unrolled', n]['total']:.1f} s at {n}" for n in rt_depths)
             + "; not run deeper):\n\n"
-            + table(["layers", "cached (rolled)", "unrolled", "hand scan", "rolled / unrolled"],
-                    [[n, *(f"{1e3 * med['paired', n][v]:.1f}" for v in ("rolled", "unrolled")),
+            + table(["layers", "rolled", "stacked", "unrolled", "hand scan", "rolled / unrolled",
+                     "stacked / unrolled"],
+                    [[n, *(f"{1e3 * med['paired', n][v]:.1f}" for v in ("rolled", "stacked", "unrolled")),
                       f"{1e3 * med['hand scan', n]['step']:.1f}",
-                      f"{ratio[n]:.2f}" + ("" if n in slow else " (not rolled: one program)")]
+                      *(f"{rt[v][n]:.2f}" + ("" if n >= REROLL_MIN_REPEATS else " (not rolled)")
+                        for v in ("rolled", "stacked"))]
                      for n in rt_depths])
-            + f"\n\n- rolled / unrolled runtime, worst rolled depth (>= {REROLL_MIN_REPEATS} "
-            f"layers, `passes.REROLL_MIN_REPEATS`) = {max(slow.values(), default=float('nan')):.2f} "
-            f"(target <= 1.10): {verdict(bool(slow) and max(slow.values()) <= 1.10)}\n"
+            + "\n\n" + rt_target("rolled") + rt_target("stacked")
             + _transformer_section(med, depths, verdict))
     print(body)
     if not a.quick:
