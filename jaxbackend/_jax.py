@@ -657,6 +657,15 @@ def call_has_shardings(eqn) -> bool:
                    for k in ("in_shardings", "out_shardings") for s in eqn.params.get(k, ()))
 
 
+def custom_vjp_bwd_function(eqn):
+    """The Python function a `custom_vjp_call` equation's backward rule is
+    (compare by identity), else None. JAX 0.10: `params["bwd"]` is a
+    `linear_util.WrappedFun` whose `.f` is the function given to `defvjp`."""
+    if eqn.primitive.name != "custom_vjp_call":
+        return None
+    return getattr(eqn.params.get("bwd"), "f", None)
+
+
 def custom_jvp_rule_fun(eqn):
     """The JVP rule function stored in a `custom_jvp_call` equation's params
     (compared via `custom_jvp_rule`), else None."""

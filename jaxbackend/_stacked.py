@@ -5,8 +5,8 @@ inputs and outputs are still what the caller passes and gets back: one array
 per layer and weight (and per optimizer moment). A 64-layer GPT training
 step takes and returns 3089 arrays; XLA:CPU compiles one kernel per output
 and one concatenate operand per input, and those, not the layers, are most
-of its compile time (measured on that step: 11.1 s compiled per-layer, 4.1 s
-with its inputs and outputs stacked; `benchmarks/trace_once.py`). Optax,
+of its compile time (measured, XLA compile of that rolled step: 11.1 s as
+it is, 4.1 s with the same program's inputs and outputs stacked). Optax,
 too, traces its update once per leaf.
 
 `stack_layers(tree)` replaces each sequence of L >= 2 structurally identical
@@ -21,15 +21,17 @@ user's `for w in weights: x = layer(w, x)` runs unchanged, traced or not.
 Iterating splits every leaf at once with `split_layers`, a `custom_vjp`
 whose primal is L unit slices along axis 0 and whose backward rule
 concatenates the L cotangents back into one array. `reroll` recognises both
-(`passes._reroll_walk.Walk.keep`): the per-layer weights fed to its scans are then the
-stacked input itself, and the per-layer gradients a backward scan returns
-are its stacked output, so the program neither copies the weights into a
-stack nor splits the gradients out of one.
+(`passes._reroll_walk.Walk.keep`): the per-layer weights fed to its scans
+are then the stacked input itself, and the per-layer gradients a backward
+scan returns are its stacked output, so the program neither copies the
+weights into a stack nor splits the gradients out of one.
 
-When it keeps the results of the per-layer form: always, bitwise. The
-slices are exact; the backward rule moves cotangents without arithmetic,
-where the per-layer form returns them as they are (integer and boolean
-leaves are sliced plainly: they have no cotangent).
+What it keeps: the split and its gradient are exact (slices, and a
+concatenate of the cotangents the per-layer form would return), so a
+program over a `Stacked` computes what it computes over the list, bitwise
+under `jax.jit`; rolled by `reroll`, the two agree as `reroll` promises
+(the same values up to float reassociation). Integer and boolean leaves
+are sliced plainly: they have no cotangent.
 """
 
 from __future__ import annotations
@@ -119,11 +121,16 @@ class Stacked(Sequence):
 
 def splits_entries(eqn) -> bool:
     """Is output i of `eqn` entry i of its one operand, exactly (L outputs
-    for an operand of shape (L, ...))? True for a call (custom_vjp: the
-    primal of `jb.stack_layers`'s `split_layers`) whose body is L unit
-    slices along axis 0 at 0..L-1, each squeezed, and nothing else. The
-    check reads the body, not the function's name: what it computes is the
-    proof."""
+    for an operand of shape (L, ...)), with the derivative of slices? True
+    for `split_layers` (a `custom_vjp_call` whose backward rule is
+    `_split_bwd`, by identity) or a plain call (`jit`), when the body is L
+    unit slices along axis 0 at 0..L-1, each squeezed, and nothing else:
+    the body is the proof of the values, and the rule's identity of the
+    gradient (`reroll` bypasses the call, so a program differentiated after
+    it must not lose another rule)."""
+    name = eqn.primitive.name
+    if not (name in _jax.CALL_PRIMITIVES or _jax.custom_vjp_bwd_function(eqn) is _split_bwd):
+        return False
     body = _jax.call_body(eqn)
     if body is None or len(eqn.invars) != 1 or not _jax.is_var(eqn.invars[0]):
         return False

@@ -166,6 +166,32 @@ def test_only_a_body_of_in_order_unit_slices_counts_as_the_layers():
                          scale=lambda: testing.abs_scale(f, a / 24, x), what="reversed layers")
 
 
+def _in_order_split(a):
+    return tuple(jax.lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+
+
+doubled = jax.custom_vjp(_in_order_split)      # the same slices, another gradient rule
+doubled.defvjp(lambda a: (doubled(a), None), lambda _, cts: (2 * jnp.stack(cts),))
+
+
+def test_a_split_with_another_gradient_rule_keeps_its_rule_through_jb_jit():
+    a = jax.random.normal(jax.random.key(2), (L, 4)) / 2
+    assert not _stacked.splits_entries(jax.make_jaxpr(doubled)(a).eqns[0])
+
+    def loss(stack, x):
+        for w in doubled(stack):
+            x = x + jnp.tanh(x * w) * jnp.cos(w) - 0.1 * jnp.sin(x)
+        return jnp.sum(x)
+
+    x = jnp.linspace(-1, 1, 4)
+    f = jb.jit(loss)
+    f(a, x)
+    assert "reroll.runs: 1" in str(f.last_report)        # rolled, reading a copied stack
+    g = jax.grad(loss)
+    testing.assert_close(jax.grad(f)(a, x), g(a, x), scale=lambda: testing.abs_scale(g, a, x),
+                         what="gradient through the rolled program")
+
+
 @functools.cache
 def _gpt():
     """The library GPT's AdamW step (returning its gradients too), per-layer
