@@ -248,3 +248,13 @@ def test_gpt_over_stacked_params_under_a_mesh_never_shards_the_layer_axis():
                   zip(f.plan.in_specs(), jax.tree.leaves(args)) if leaf.ndim and leaf.shape[0] == n]
     assert len(layer_axes) >= 2 * 16 and all(a is None for a in layer_axes), layer_axes
     testing.assert_close(got, want, scale=scale, what="sharded stacked GPT step")
+
+
+def test_stacked_params_round_trip_through_a_checkpoint(tmp_path):
+    from jaxbackend import train
+
+    state = {"blocks": jb.stack_layers(_weights(3)), "head": jnp.ones(3)}
+    train.save_checkpoint(tmp_path, state, {"step": 1})
+    restored, _ = train.load_checkpoint(tmp_path, state)
+    assert isinstance(restored["blocks"], jb.Stacked) and len(restored["blocks"]) == 3
+    _same(restored, state)

@@ -131,7 +131,11 @@ class Walk:
         """(stack id, first index, length >= 2) of the longest run of vs from
         k on that are consecutive entries of one stack of their own shape."""
         loc = self.stacked.get(vs[k]) if _jax.is_var(vs[k]) else None
-        if loc is None or self.stacks[loc[0]].aval.shape[1:] != vs[k].aval.shape:
+        if loc is None:
+            return None
+        have, want = self.stacks[loc[0]].aval, vs[k].aval
+        if (have.shape[1:] != want.shape or have.dtype != want.dtype
+                or have.weak_type != want.weak_type):
             return None
         sid, i0 = loc
         n = 1

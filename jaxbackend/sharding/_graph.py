@@ -22,7 +22,10 @@ with the same factor sizes unifies factor by factor, so `reshape -> matmul
 (sharding `a` in blocks is sharding `ab` in blocks): its class takes the
 major factor's key, and a merge whose minor factors are sharded costs a
 gather (`REPLICATED` in the op's axis map). A class's shardable size is the
-gcd of its (unmerged) members' sizes.
+gcd of its (unmerged) members' sizes, and 1 (never sharded) for the layer
+axis of a scan's stacked inputs and outputs and of a stacked input split
+into layers (`jb.stack_layers`): XLA gathers a sharded layer axis whole
+before the loop, so sharding it saves no memory and moves every weight.
 
 Names: axes of NamedArray inputs/outputs and einsum operands carry labels;
 positions with the same label are unified too (a name is one identity), and
