@@ -45,11 +45,17 @@ from jax import lax
 from jaxbackend import _jax
 
 
+def _slices(a) -> tuple:
+    """(a[0], ..., a[L-1]): L unit slices along axis 0, each squeezed (the
+    body `splits_entries` checks)."""
+    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+
+
 @jax.custom_vjp
 def split_layers(a):
-    """(a[0], ..., a[L-1]) for an inexact array a of shape (L, ...): L unit
-    slices along axis 0, each squeezed; its gradient is one concatenate."""
-    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+    """`_slices(a)` for an inexact array a of shape (L, ...); its gradient
+    is one concatenate."""
+    return _slices(a)
 
 
 def _split_fwd(a):
@@ -69,9 +75,7 @@ split_layers.defvjp(_split_fwd, _split_bwd)
 
 
 def _split_leaf(a):
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return split_layers(a)
-    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+    return split_layers(a) if jnp.issubdtype(a.dtype, jnp.inexact) else _slices(a)
 
 
 @jax.tree_util.register_pytree_with_keys_class

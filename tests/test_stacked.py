@@ -91,7 +91,7 @@ def _eqns(closed):
         j = todo.pop()
         out += j.eqns
         for e in j.eqns:
-            todo += [s.jaxpr if hasattr(s, "jaxpr") else s for s in _jax.sub_jaxprs(e)]
+            todo += [_jax.open_jaxpr(s) for s in _jax.sub_jaxprs(e)]
     return out
 
 

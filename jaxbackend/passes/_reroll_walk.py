@@ -112,10 +112,9 @@ class Walk:
                 k += 1
                 continue
             sid, i0, n = run
-            arr, shape = self.stacks[sid], (n * vs[k].aval.shape[0],) + vs[k].aval.shape[1:]
-            pieces.append(self.b.emit(lambda a: lax.slice_in_dim(a, i0, i0 + n).reshape(shape),
-                                      [arr], key=("reroll.join", i0, n, shape))[0])
-            self.stats.stacks_reused += 1
+            shape = (n * vs[k].aval.shape[0],) + vs[k].aval.shape[1:]
+            pieces.append(self.b.emit(lambda a: a.reshape(shape), [self.entries(sid, i0, n)],
+                                      key=("reroll.join", shape))[0])
             k += n
         if len(pieces) == len(vs):
             return False                  # no run of stack entries: kept as it is
@@ -230,6 +229,16 @@ class Walk:
             return None
         return sid, i0, step
 
+    def entries(self, sid, lo: int, n: int):
+        """Entries lo..lo+n-1 of stack sid as one atom: the stack itself, or
+        one static slice of it (no copy XLA must keep)."""
+        arr = self.stacks[sid]
+        self.stats.stacks_reused += 1
+        if lo == 0 and arr.aval.shape[0] == n:
+            return arr
+        return self.b.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
+                           key=("reroll.slice", lo, n))[0]
+
     # -- one run ---------------------------------------------------------------
     def stack_inputs(self, vs, reverse: bool):
         """Atom of the array whose entry t is block j's input, t = j (or
@@ -239,13 +248,7 @@ class Walk:
         hit = self._find_stack(vs)
         if hit is not None and (hit[2] == -1) == reverse:
             sid, i0, step = hit
-            lo = i0 if step == 1 else i0 - (n - 1)
-            arr = self.stacks[sid]
-            self.stats.stacks_reused += 1
-            if lo == 0 and arr.aval.shape[0] == n:
-                return arr
-            return self.b.emit(lambda a: lax.slice_in_dim(a, lo, lo + n), [arr],
-                                key=("reroll.slice", lo, n))[0]
+            return self.entries(sid, i0 if step == 1 else i0 - (n - 1), n)
         order = list(reversed(vs)) if reverse else list(vs)
         arr, = self.b.emit(lambda *xs: _stacks.stack(xs), [self.read(v) for v in order],
                             key="reroll.stack")
