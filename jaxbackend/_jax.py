@@ -573,10 +573,9 @@ def scatter_dimension_numbers(eqn):
     return eqn.params["dimension_numbers"]
 
 
-def slice_parts(eqn) -> tuple:
-    """(start_indices, limit_indices, strides or None) of a `slice` equation."""
-    p = eqn.params
-    return tuple(p["start_indices"]), tuple(p["limit_indices"]), p["strides"]
+def split_parts(eqn) -> tuple:
+    """(sizes, axis) of a `split` equation (`lax.split`, JAX >= 0.4.36)."""
+    return tuple(int(n) for n in eqn.params["sizes"]), int(eqn.params["axis"])
 
 
 def concatenate_dimension(eqn) -> int:

@@ -19,12 +19,13 @@ user's `for w in weights: x = layer(w, x)` runs unchanged, traced or not.
 `unstack_layers` undoes it (the original containers, keys and order).
 
 Iterating splits every leaf at once with `split_layers`, a `custom_vjp`
-whose primal is L unit slices along axis 0 and whose backward rule
-concatenates the L cotangents back into one array. `reroll` recognises both
-(`passes._reroll_walk.Walk.keep`): the per-layer weights fed to its scans
-are then the stacked input itself, and the per-layer gradients a backward
-scan returns are its stacked output, so the program neither copies the
-weights into a stack nor splits the gradients out of one.
+whose primal is one `split` into L unit pieces along axis 0, each squeezed,
+and whose backward rule concatenates the L cotangents back into one array.
+`reroll` recognises both (`passes._reroll_walk.Walk.keep`): the per-layer
+weights fed to its scans are then the stacked input itself, and the
+per-layer gradients a backward scan returns are its stacked output, so the
+program neither copies the weights into a stack nor splits the gradients
+out of one.
 
 What it keeps: the split and its gradient are exact (slices, and a
 concatenate of the cotangents the per-layer form would return), so a
@@ -46,9 +47,10 @@ from jaxbackend import _jax
 
 
 def _slices(a) -> tuple:
-    """(a[0], ..., a[L-1]): L unit slices along axis 0, each squeezed (the
-    body `splits_entries` checks)."""
-    return tuple(lax.index_in_dim(a, i, keepdims=False) for i in range(a.shape[0]))
+    """(a[0], ..., a[L-1]): one `split` into L unit pieces along axis 0, each
+    squeezed (the body `splits_entries` checks). L + 1 equations: half the
+    binds of L `index_in_dim`s, which is tracing time at 64 layers."""
+    return tuple(lax.squeeze(p, (0,)) for p in lax.split(a, (1,) * a.shape[0]))
 
 
 @jax.custom_vjp
@@ -127,9 +129,10 @@ def splits_entries(eqn) -> bool:
     """Is output i of `eqn` entry i of its one operand, exactly (L outputs
     for an operand of shape (L, ...)), with the derivative of slices? True
     for `split_layers` (a `custom_vjp_call` whose backward rule is
-    `_split_bwd`, by identity) or a plain call (`jit`), when the body is L
-    unit slices along axis 0 at 0..L-1, each squeezed, and nothing else:
-    the body is the proof of the values, and the rule's identity of the
+    `_split_bwd`, by identity) or a plain call (`jit`), when the body is
+    `_slices`' own: one `split` of the operand along axis 0 into L pieces of
+    size 1, piece i squeezed on axis 0 as output i, and nothing else: the
+    body is the proof of the values, and the rule's identity of the
     gradient (`reroll` bypasses the call, so a program differentiated after
     it must not lose another rule)."""
     name = eqn.primitive.name
@@ -138,27 +141,17 @@ def splits_entries(eqn) -> bool:
     body = _jax.call_body(eqn)
     if body is None or len(eqn.invars) != 1 or not _jax.is_var(eqn.invars[0]):
         return False
-    shape = eqn.invars[0].aval.shape
+    n = eqn.invars[0].aval.shape[:1]
     j = body.jaxpr
-    if not shape or shape[0] != len(j.outvars) or len(j.eqns) != 2 * shape[0]:
+    if not n or n[0] != len(j.outvars) or len(j.eqns) != n[0] + 1:
         return False
-    made = {}
-    for e in j.eqns:
-        for v in e.outvars:
-            made[v] = e
-    for i, out in enumerate(j.outvars):
-        sq = made.get(out) if _jax.is_var(out) else None
-        if (sq is None or not _jax.is_var(sq.invars[0]) or sq.primitive.name != "squeeze"
-                or _jax.squeeze_dimensions(sq) != (0,)):
-            return False
-        sl = made.get(sq.invars[0])
-        if sl is None or sl.primitive.name != "slice" or sl.invars[0] is not j.invars[0]:
-            return False
-        start, limit, strides = _jax.slice_parts(sl)
-        if (start != (i,) + (0,) * (len(shape) - 1) or limit != (i + 1,) + tuple(shape[1:])
-                or (strides is not None and any(s != 1 for s in strides))):
-            return False
-    return True
+    split, squeezes = j.eqns[0], j.eqns[1:]
+    if (split.primitive.name != "split" or split.invars[0] is not j.invars[0]
+            or _jax.split_parts(split) != ((1,) * n[0], 0)):
+        return False
+    return all(sq.primitive.name == "squeeze" and _jax.squeeze_dimensions(sq) == (0,)
+               and sq.invars[0] is piece and out is sq.outvars[0]
+               for sq, piece, out in zip(squeezes, split.outvars, j.outvars))
 
 
 def _is_stacked(x) -> bool:

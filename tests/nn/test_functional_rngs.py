@@ -122,3 +122,41 @@ def test_bad_key_is_a_clear_error():
         fn(params, jnp.ones((6, 5)), key=3)
     with pytest.raises(TypeError, match="key"):
         fn(params, jnp.ones((6, 5)), key=jax.random.split(jax.random.key(0), 2))
+
+
+class SharedDrop(nnx.Module):
+    """One dropout layer reached by two attributes: not a plain pytree."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((6, 5)), dims=("a", "b"))
+        self.d1 = nn.Dropout(0.5, rngs=rngs)
+        self.d2 = self.d1
+
+    def loss(self, x):
+        h = nx.NamedArray(x * self.w[...], ("a", "b"))
+        return self.d1(h).values, self.d2(h).values
+
+
+@pytest.mark.parametrize("make", [lambda: GPT(CFG, rngs=nnx.Rngs(0)), lambda: TwoDrops(nnx.Rngs(0)),
+                                  lambda: SharedDrop(nnx.Rngs(0))],
+                         ids=["gpt", "two_drops", "shared_drop"])
+def test_the_pytree_rebuild_gives_the_merge_paths_module(make, monkeypatch):
+    """`fn` rebuilds the module as one pytree unflatten where the model is a
+    plain pytree (`_Rebuild`): the same values, masks and gradients as the
+    nnx.merge path, with and without a key, bitwise."""
+    from jaxbackend.nn import _params
+
+    model = make()
+    x = _tokens() if isinstance(model, GPT) else (jnp.ones((6, 5)),)
+    _, pstate, rest = nnx.split(model, nnx.Param, ...)
+    fast = _params._Rebuild.of(model, nnx.to_pure_dict(pstate), rest)
+    assert (fast is None) == isinstance(model, SharedDrop)
+    params, fn = nn.functional(model, "loss")
+    monkeypatch.setattr(_params._Rebuild, "of", classmethod(lambda cls, *a: None))
+    _, slow = nn.functional(model, "loss")
+    for key in (None, jax.random.key(5)):
+        want = jax.value_and_grad(lambda p: jnp.sum(jnp.stack(jax.tree.leaves(
+            slow(p, *x, key=key))) ** 2))(params)
+        got = jax.value_and_grad(lambda p: jnp.sum(jnp.stack(jax.tree.leaves(
+            fn(p, *x, key=key))) ** 2))(params)
+        assert_close(got, want, rtol=0, atol=0, what=f"key={key}")
