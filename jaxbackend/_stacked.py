@@ -237,3 +237,16 @@ def unstack_layers(tree):
             return x
         return _rebuild(x.kind, [unstack_layers(e) for e in x.unstack()])
     return jax.tree.map(undo, tree, is_leaf=_is_stacked)
+
+
+def stack_like(stacked, per_layer, fn):
+    """`per_layer`, a tree shaped like `unstack_layers(stacked)` (its
+    shardings, say), in `stacked`'s structure: at each `Stacked`, layer 0's
+    sub-tree with every leaf mapped by `fn` (a layer's leaf to the stacked
+    leaf's: a sharding gains an unsharded layer axis); other leaves as
+    they are."""
+    def at(node, layers):
+        if not _is_stacked(node):
+            return layers
+        return Stacked(jax.tree.map(fn, layers[0]), node.length, node.kind)
+    return jax.tree.map(at, stacked, per_layer, is_leaf=_is_stacked)

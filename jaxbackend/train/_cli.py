@@ -43,13 +43,13 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
 OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None,
-                      dtype="float32", accum=1, clip=1.0, keep=3)
+                      dtype="float32", accum=1, clip=1.0, keep=3, stack_layers=False)
 GPT_FLAGS = ("layers", "embd", "heads", "dtype")   # set the built-in GPT only
 CKPT_NAME = "checkpoints"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
 RUN_FILES = (CKPT_NAME, "loss.png", "metrics.jsonl")   # what a run leaves in --out
 # Settings a resume must keep: they decide the numbers (see `TrainConfig.model_key`).
 FIXED_ON_RESUME = ("batch", "seq", "layers", "embd", "heads", "lr", "seed", "max_chars",
-                   "warmup", "weight_decay", "dtype", "accum", "clip")
+                   "warmup", "weight_decay", "dtype", "accum", "clip", "stack_layers")
 
 
 class _UsageError(Exception):
@@ -141,6 +141,9 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
                    help="start a fresh run even if OUT already holds one (deletes it)")
     p.add_argument("--devices", type=pi,
                    help="simulated CPU devices (N > 1: data mesh + sharding plan)")
+    p.add_argument("--stack-layers", action="store_true",
+                   help="keep the blocks' weights (and optimizer state, checkpoint) as stacked "
+                        "arrays: compile time flat in --layers; a resume must keep it")
     p.add_argument("--tiny", action="store_true", help=f"small defaults for tests: {tiny}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     if not given_only:

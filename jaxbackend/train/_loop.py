@@ -34,12 +34,18 @@ exception raised from the signal handler: an exception could land between
 a donating step call and the assignment of its results, leaving nothing
 valid to save.
 
-Multi-device (`devices > 1`): a 1-d mesh `data`; the rules dim -> mesh axis
-are the searched plan of `jaxbackend.sharding.plan` (its table is printed).
-Parameter shardings follow from the dims each parameter records.
+Multi-device (`devices > 1`): a 1-d mesh `data`, the searched rules, the
+parameters placed by the dims they record (`_shard`).
+
+`stack_layers` (`--stack-layers`): the params (so the optimizer state and
+the checkpoint) keep the L blocks' weights as stacked arrays
+(`jb.stack_layers`), and the model's for-loop runs as written: a rolled step
+then takes and returns a few arrays instead of one per layer and weight,
+which is most of XLA's compile time for a deep model (BENCHMARKS.md). It
+changes the checkpoint's layout, so a resume must keep it.
 
 `train` runs five stages over one `_Run` record: `_setup` (checks, corpus,
-model, optimizer), `_shard` (devices > 1), `_resume` (optimizer state, from
+model, optimizer), `_shard.shard` (devices > 1), `_resume` (optimizer state, from
 the checkpoint on --resume), `_loop` (steps, evaluations, checkpoints) and
 `_finish` (final loss, sample, plot, the result dict). Progress is a
 `rich` bar on a terminal and plain lines elsewhere (`_progress`); every
@@ -60,14 +66,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxbackend import named as nx
-from jaxbackend import nn, sharding
+from jaxbackend import nn
+from jaxbackend._stacked import unstack_layers
 from jaxbackend.jit import jit
 from jaxbackend import _scripts
 from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
-from jaxbackend.train import _checkpoint, _data, _plots
+from jaxbackend.train import _checkpoint, _data, _plots, _shard
 from jaxbackend.train._progress import Progress
 
 CKPT_NAME = "checkpoints"   # the orbax folder: one sub-folder per kept step
@@ -111,6 +116,7 @@ class TrainConfig:
     accum: int = 1             # micro-batches of `batch` averaged per optimizer step
     clip: float = 1.0          # gradient global-norm clip, 0 = none
     keep: int = 3              # checkpoints kept: the newest `keep` steps
+    stack_layers: bool = False  # params hold the blocks' weights stacked (`jb.stack_layers`)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
@@ -127,25 +133,13 @@ class TrainConfig:
         return dict(batch=self.batch, seq=self.seq, layers=self.layers, embd=self.embd,
                     heads=self.heads, lr=self.lr, seed=self.seed, steps=self.steps,
                     max_chars=self.max_chars, warmup=self.warmup, weight_decay=self.weight_decay,
-                    dtype=self.dtype, accum=self.accum, clip=self.clip)
+                    dtype=self.dtype, accum=self.accum, clip=self.clip,
+                    stack_layers=self.stack_layers)
 
     def settings(self) -> dict:
         """Every field a resume may reuse (not where the run lives or how it prints)."""
         skip = ("out", "resume", "quiet")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
-
-
-def _mesh_and_rules(cfg: TrainConfig, loss_fn, params, x, y, log):
-    if jax.device_count() < cfg.devices:
-        raise ValueError(f"--devices {cfg.devices} asked for, but JAX sees {jax.device_count()} "
-                         f"devices; set --devices before anything imports jax.")
-    if cfg.batch % cfg.devices:
-        raise nx.DimError(f"dim 'batch' has size {cfg.batch}, which the {cfg.devices}-device "
-                          f"mesh axis 'data' does not divide; use --batch a multiple of {cfg.devices}.")
-    mesh = jax.make_mesh((cfg.devices,), ("data",), axis_types=(AxisType.Auto,))
-    plan = sharding.plan(loss_fn, params, x, y, mesh=mesh)
-    log(plan.table())
-    return mesh, nn._params.normalize_rules(plan)
 
 
 @dataclasses.dataclass
@@ -173,6 +167,8 @@ class _Run:
     eval_fn: Callable
     val_batches: list
     constrain: Callable = lambda a: a   # the batch's sharding constraint (`_shard`)
+    mesh: object = None             # devices > 1: the mesh and searched rules (`_shard`)
+    rules: dict | None = None
     opt_state: object = None
     start: int = 0
     history: list = dataclasses.field(default_factory=list)
@@ -196,7 +192,7 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None, *, model=None, l
     polled after every step, True: save a checkpoint and raise `Stopped`."""
     run = _setup(cfg, log, model, loss, data)
     if cfg.devices > 1:
-        _shard(run)
+        _shard.shard(run)
     _resume(run)
     with Progress(cfg.steps, run.start, cfg.quiet) as bar, \
             _checkpoint.Checkpointer(run.ckpt, cfg.keep) as saver:
@@ -222,7 +218,11 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     identity = {**cfg.model_key(), "model": model_name, "data": _data.fingerprint(ids)}
     if cfg.resume:
         _check_resumable(ckpt, identity)
-    params, loss_fn = nn.functional(model, _loss_of(model, loss))
+    try:
+        params, loss_fn = nn.functional(model, _loss_of(model, loss), stacked=cfg.stack_layers)
+    except ValueError as e:   # nothing to stack: say which flag asked for it
+        raise ValueError(f"stack_layers: {model_name} has no list of >= 2 identical layers to "
+                         f"keep stacked ({e}); drop --stack-layers.") from None
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
@@ -276,22 +276,6 @@ def _loss_of(model: nnx.Module, loss):
     return lambda m, x, y: lm_loss(m(x), y)
 
 
-def _shard(run: _Run) -> None:
-    """Searches rules on a 1-d `data` mesh (printing the plan), places the
-    parameters by the dims they record and constrains every batch."""
-    cfg = run.cfg
-    x0, y0 = _data.get_batch(run.data, cfg.seed, 0, cfg.batch, cfg.seq)
-    mesh, rules = _mesh_and_rules(cfg, run.loss_fn, run.params, x0, y0, run.say)
-    nn.check_divisible(run.pstate, rules, mesh)
-    specs = nn.partition_specs(run.pstate, rules)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    shardings = jax.tree.unflatten(jax.tree.structure(run.params),
-                                   [NamedSharding(mesh, s) for s in spec_leaves])
-    run.params = jax.device_put(run.params, shardings)
-    batch_spec = NamedSharding(mesh, PartitionSpec(rules.get("batch")))
-    run.constrain = lambda a: jax.lax.with_sharding_constraint(a, batch_spec)
-
-
 def _resume(run: _Run) -> None:
     """A fresh optimizer state, or the checkpoint's state and histories
     (placed like the fresh state)."""
@@ -307,7 +291,8 @@ def _resume(run: _Run) -> None:
 
 def _step_fn(run: _Run):
     """The compiled training step; it donates the parameters and the
-    optimizer state."""
+    optimizer state. On several devices it is planned with the run's
+    searched rules (`jb.jit(mesh=, rules=)`)."""
     cfg, loss_fn, tx, constrain = run.cfg, run.loss_fn, run.tx, run.constrain
 
     def loss_and_grads(params, data, batch_index):
@@ -327,7 +312,10 @@ def _step_fn(run: _Run):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, (loss, optax.tree.norm(grads))
 
-    return jit(train_step, donate_argnums=(0, 1))
+    # On a mesh, the searched rules pin every named contraction's layout (in
+    # the rolled layers' scan bodies too), so XLA cannot improvise another.
+    placed = {} if run.mesh is None else dict(mesh=run.mesh, rules=run.rules)
+    return jit(train_step, donate_argnums=(0, 1), **placed)
 
 
 def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, stop) -> tuple:
@@ -416,7 +404,7 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
     val, baseline = run.val_history[-1][1], run.baseline
     say(f"val loss {val:.4f} nats/char vs unigram baseline {baseline:.4f} "
         f"({'below' if val < baseline else 'NOT below'} by {baseline - val:.3f})")
-    nnx.replace_by_pure_dict(run.pstate, jax.device_get(run.params))
+    nnx.replace_by_pure_dict(run.pstate, jax.device_get(unstack_layers(run.params)))
     nnx.update(run.model, run.pstate)
     sample = ""
     if cfg.sample_chars:
@@ -435,10 +423,15 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
                 sample=sample, png=png, ckpt=run.ckpt, jit=JIT_NAME, params=run.params)
 
 
+# Settings older checkpoints did not record, and the value they all had.
+_RECORDED_SINCE = {"stack_layers": False}
+
+
 def _check_resumable(ckpt, identity: dict):
     meta = _checkpoint.read_meta(ckpt)
-    saved = meta.get("config", {})
-    # Older checkpoints lack some keys: compare what they recorded.
+    # Older checkpoints lack some keys: compare what they recorded, or what
+    # every run had before a key was recorded.
+    saved = {**_RECORDED_SINCE, **meta.get("config", {})}
     diff = [f"the data differs (checksum {saved[k]} in the checkpoint, {v} now)" if k == "data"
             else f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
             for k, v in identity.items() if k != "steps" and k in saved and saved[k] != v]

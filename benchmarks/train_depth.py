@@ -1,0 +1,91 @@
+"""The training loop on 8 devices against depth: `--stack-layers` or not.
+
+`jaxbackend.train.train` (what `python -m jaxbackend train` runs) with
+`devices=8` (a 1-d `data` mesh of simulated CPU devices, the searched rules,
+`jb.jit(mesh=, rules=, donate_argnums=)`), embd 64, 4 heads, seq 64,
+batch 16, 2 steps, no evaluation, sample or checkpoint. Seconds of the first
+step (trace, passes, search, lower, XLA compile and one step: `compile_s`),
+per-layer params against `stack_layers=True`, at 4, 8 and 32 layers; one
+fresh process per point, the variants interleaved, medians of `--repeat`.
+Target (issue 12): the 32-layer step within 1.5x the 4-layer one.
+
+Run: `python benchmarks/train_depth.py` (`--quick`: 2 and 4 layers, one
+repeat, writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+VARIANTS = ("per-layer", "stacked")
+
+
+def run_point(variant: str, layers: int) -> dict:
+    import jax
+
+    from jaxbackend.train import TrainConfig, train
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(steps=2, batch=16, seq=64, layers=layers, embd=64, heads=4,
+                          devices=8, stack_layers=variant == "stacked", sample_chars=0,
+                          eval_every=0, ckpt_every=0, eval_batches=1, quiet=True, out=out)
+        r = train(cfg, log=lambda s: None)
+    return {"compile": r["compile_s"], "loss": r["history"][0]}
+
+
+def spawn(variant: str, layers: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, __file__, "--child", variant, str(layers)],
+                       capture_output=True, text=True, env=env, timeout=1200)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not line:
+        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 and 4 layers, one repeat, no file")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(run_point(a.child[0], int(a.child[1]))))
+        return
+    depths, repeat = ((2, 4), 1) if a.quick else ((4, 8, 32), a.repeat)
+    got: dict = {}
+    for _ in range(repeat):
+        for n in depths:
+            for v in VARIANTS:
+                r = spawn(v, n)
+                got.setdefault((v, n), []).append(r)
+                print(f"{v:10s} {n:3d} layers: first step {r['compile']:.2f} s", flush=True)
+    med = {k: statistics.median(r["compile"] for r in rs) for k, rs in got.items()}
+    from _report import table, write_section
+
+    lo, hi = depths[0], depths[-1]
+    rows = [[n, *(f"{med[v, n]:.2f}" for v in VARIANTS)] for n in depths]
+    ratio = {v: med[v, hi] / med[v, lo] for v in VARIANTS}
+    body = ("`python -m jaxbackend train --devices 8` (its `train` function), embd 64, 4 heads, "
+            f"seq 64, batch 16; seconds of the first step (trace, passes, sharding search, lower, "
+            f"XLA compile, one step), median of {repeat} fresh processes per point:\n\n"
+            + table(["layers", "per-layer params", "`--stack-layers`"], rows) + "\n\n"
+            + "\n".join(f"- {v}: {hi} / {lo} layers = **{ratio[v]:.2f}** (target <= 1.5): "
+                        f"{'met' if ratio[v] <= 1.5 else 'MISSED'}" for v in VARIANTS) + "\n")
+    print(body)
+    if not a.quick:
+        write_section("train-depth", "Training on 8 devices against depth (--stack-layers)", body)
+
+
+if __name__ == "__main__":
+    main()
