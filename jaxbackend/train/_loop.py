@@ -167,8 +167,6 @@ class _Run:
     eval_fn: Callable
     val_batches: list
     constrain: Callable = lambda a: a   # the batch's sharding constraint (`_shard`)
-    mesh: object = None             # devices > 1: the mesh and searched rules (`_shard`)
-    rules: dict | None = None
     opt_state: object = None
     start: int = 0
     history: list = dataclasses.field(default_factory=list)
@@ -291,8 +289,7 @@ def _resume(run: _Run) -> None:
 
 def _step_fn(run: _Run):
     """The compiled training step; it donates the parameters and the
-    optimizer state. On several devices it is planned with the run's
-    searched rules (`jb.jit(mesh=, rules=)`)."""
+    optimizer state."""
     cfg, loss_fn, tx, constrain = run.cfg, run.loss_fn, run.tx, run.constrain
 
     def loss_and_grads(params, data, batch_index):
@@ -312,10 +309,7 @@ def _step_fn(run: _Run):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, (loss, optax.tree.norm(grads))
 
-    # On a mesh, the searched rules pin every named contraction's layout (in
-    # the rolled layers' scan bodies too), so XLA cannot improvise another.
-    placed = {} if run.mesh is None else dict(mesh=run.mesh, rules=run.rules)
-    return jit(train_step, donate_argnums=(0, 1), **placed)
+    return jit(train_step, donate_argnums=(0, 1))
 
 
 def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, stop) -> tuple:

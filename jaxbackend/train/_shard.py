@@ -9,9 +9,11 @@ each parameter is placed by the dims it records (`nn.partition_specs`). With
 leading layer axis unsharded (XLA would gather a layer-sharded stack whole
 before the loop; see `sharding._graph`). The optimizer state is made from
 the placed parameters (`tx.init`), so each moment lives where its parameter
-does. The step is compiled with `jb.jit(mesh=, rules=)`, which pins the
-rules' layout on every named contraction; every batch is constrained to the
-plan's `batch` axis.
+does, and every batch is constrained to the plan's `batch` axis; XLA
+propagates those layouts through the step. (`jb.jit(mesh=, rules=)` would
+pin them on every contraction, but it refuses the plan's rules for dims
+this step does not have: the plan is searched on the loss alone, whose
+auto-named dims differ from the step's.)
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ def mesh_and_rules(cfg, loss_fn, params, x, y, log):
 
 def shard(run) -> None:
     """Searches rules on the mesh (printing the plan), places `run.params`
-    by the dims they record, keeps the mesh and rules for the step
-    (`jb.jit(mesh=, rules=)`) and sets `run.constrain` for every batch."""
+    by the dims they record and sets `run.constrain` for every batch."""
     cfg = run.cfg
     x0, y0 = _data.get_batch(run.data, cfg.seed, 0, cfg.batch, cfg.seq)
     mesh, rules = mesh_and_rules(cfg, run.loss_fn, run.params, x0, y0, run.say)
@@ -55,6 +56,5 @@ def shard(run) -> None:
         shardings = _stacked.stack_like(
             run.params, shardings, lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)))
     run.params = jax.device_put(run.params, shardings)
-    run.mesh, run.rules = mesh, rules
     batch_spec = NamedSharding(mesh, PartitionSpec(rules.get("batch")))
     run.constrain = lambda a: jax.lax.with_sharding_constraint(a, batch_spec)
