@@ -7,12 +7,15 @@ stamped with the exact command and the machine it ran on.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
+import json
 import os
 import pathlib
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -111,3 +114,30 @@ def _replace(name: str, block: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     BENCHMARKS_MD.write_text(text)
+
+
+def depth_cli(doc: str, run_point, quick_help: str) -> argparse.Namespace:
+    """The command line of a benchmark that runs each point in a fresh
+    process: `--quick`, `--repeat N` (default 3) and the hidden `--child
+    VARIANT LAYERS`, which runs `run_point(variant, layers)`, prints it as
+    one `RESULT {json}` line and exits (`spawn_point` reads it)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(run_point(a.child[0], int(a.child[1]))))
+        sys.exit(0)
+    return a
+
+
+def spawn_point(script: str, variant: str, layers: int, env=None) -> dict:
+    """`script --child variant layers` in a fresh process (no JAX cache
+    shared): its RESULT dict."""
+    r = subprocess.run([sys.executable, script, "--child", variant, str(layers)],
+                       capture_output=True, text=True, env=env or dict(os.environ), timeout=1200)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not line:
+        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[0][7:])

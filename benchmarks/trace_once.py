@@ -29,12 +29,8 @@ Run: `python benchmarks/trace_once.py` (`--quick`: small depths, writes nothing)
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -188,15 +184,6 @@ def _hand_scan(model, lm_loss):
             lambda p, x, y: shell_loss(p["shell"], x, y, p["blocks"]))
 
 
-def spawn(variant: str, layers: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, str(layers)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1200)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode or not line:
-        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[0][7:])
-
-
 def _transformer_section(med, depths, verdict) -> str:
     from _report import table
 
@@ -223,14 +210,9 @@ def _transformer_section(med, depths, verdict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="depths 2 and 4, one repeat, no file")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        print("RESULT " + json.dumps(run_point(a.child[0], int(a.child[1]))))
-        return
+    from _report import depth_cli, spawn_point
+
+    a = depth_cli(__doc__, run_point, "depths 2 and 4, one repeat, no file")
     depths, repeat = ((2, 4), 1) if a.quick else ((4, 16, 64), a.repeat)
     runs: dict = {}
     for _ in range(repeat):
@@ -238,7 +220,7 @@ def main() -> None:
             # unrolled only to 16 layers: deeper, XLA's compile of the unrolled
             # step takes minutes (the point of rolling), not a runtime figure
             for v in VARIANTS + (("unrolled", "paired") if n <= 16 else ()) + TF_VARIANTS:
-                runs.setdefault((v, n), []).append(spawn(v, n))
+                runs.setdefault((v, n), []).append(spawn_point(__file__, v, n))
     med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in runs.items()}
     from jaxbackend.passes.pipeline import REROLL_MIN_REPEATS
 

@@ -16,12 +16,9 @@ repeat, writes nothing).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -44,31 +41,17 @@ def run_point(variant: str, layers: int) -> dict:
     return {"compile": r["compile_s"], "loss": r["history"][0]}
 
 
-def spawn(variant: str, layers: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, __file__, "--child", variant, str(layers)],
-                       capture_output=True, text=True, env=env, timeout=1200)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode or not line:
-        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[0][7:])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 and 4 layers, one repeat, no file")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        print("RESULT " + json.dumps(run_point(a.child[0], int(a.child[1]))))
-        return
+    from _report import depth_cli, spawn_point
+
+    a = depth_cli(__doc__, run_point, "2 and 4 layers, one repeat, no file")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     depths, repeat = ((2, 4), 1) if a.quick else ((4, 8, 32), a.repeat)
     got: dict = {}
     for _ in range(repeat):
         for n in depths:
             for v in VARIANTS:
-                r = spawn(v, n)
+                r = spawn_point(__file__, v, n, env)
                 got.setdefault((v, n), []).append(r)
                 print(f"{v:10s} {n:3d} layers: first step {r['compile']:.2f} s", flush=True)
     med = {k: statistics.median(r["compile"] for r in rs) for k, rs in got.items()}
