@@ -19,6 +19,7 @@ auto-named dims differ from the step's.)
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxbackend import _stacked, nn, sharding
@@ -49,7 +50,7 @@ def shard(run) -> None:
     nn.check_divisible(run.pstate, rules, mesh)
     specs = nn.partition_specs(run.pstate, rules)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    per_layer = nn.functional(run.model, lambda m: None)[0]   # the params' per-layer tree
+    per_layer = nnx.to_pure_dict(run.pstate)   # the params' per-layer tree
     shardings = jax.tree.unflatten(jax.tree.structure(per_layer),
                                    [NamedSharding(mesh, s) for s in spec_leaves])
     if cfg.stack_layers:
