@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 from jaxbackend import nn
-from jaxbackend._stacked import unstack_layers
+from jaxbackend._stacked import stack_layers, unstack_layers
 from jaxbackend.jit import jit
 from jaxbackend import _scripts
 from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
@@ -216,11 +216,14 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     identity = {**cfg.model_key(), "model": model_name, "data": _data.fingerprint(ids)}
     if cfg.resume:
         _check_resumable(ckpt, identity)
-    try:
-        params, loss_fn = nn.functional(model, _loss_of(model, loss), stacked=cfg.stack_layers)
-    except ValueError as e:   # nothing to stack: say which flag asked for it
-        raise ValueError(f"stack_layers: {model_name} has no list of >= 2 identical layers to "
-                         f"keep stacked ({e}); drop --stack-layers.") from None
+    params, loss_fn = nn.functional(model, _loss_of(model, loss))
+    if cfg.stack_layers:
+        try:
+            params = stack_layers(params)
+        except ValueError as e:   # nothing to stack: name the flag that asked for it
+            where = str(e).split("; pass the tree")[0].removeprefix("stack_layers: ")
+            raise ValueError(f"stack_layers: {model_name} has no list of >= 2 identical layers "
+                             f"to keep stacked ({where}); drop --stack-layers.") from None
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
