@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 
@@ -79,11 +80,12 @@ def _nnx_call(fn: Callable) -> Callable:
         # Traced once per cache entry: an untouched leaf is still its input tracer.
         args, kwargs = form.rebuild(static, leaves)
         out = fn(*args, **kwargs)
-        new, after = form.flatten((args, kwargs))
-        if after != form.structure(static):
+        new = form.leaves_after(static, (args, kwargs))
+        if new is None:
             raise TypeError(f"jb.layer: {getattr(fn, '__name__', 'fn')} changed the structure "
                             f"of the NNX modules it was passed (added, removed or replaced a "
-                            f"module or Variable); a layer may update Variable values only.")
+                            f"module or Variable, or set a plain attribute); a layer may update "
+                            f"Variable values only.")
         changed = tuple(i for i, (a, b) in enumerate(zip(leaves, new)) if a is not b)
         changed_at[static, tuple(map(_aval, leaves))] = changed
         return out, [new[i] for i in changed]
@@ -110,42 +112,62 @@ def _nnx_call(fn: Callable) -> Callable:
 class _TreeForm:
     """The arguments as a JAX pytree (`jax.tree.flatten`): Flax >= 0.12
     modules and Variables are pytree nodes. Fast, but a pytree keeps no
-    sharing, so used only where nothing is shared (`unshared_leaves`)."""
+    sharing, so used only where nothing is shared (`unshared_leaves`). As
+    under `nnx.split`, Variables' values and arrays are the call's inputs,
+    other leaves (Python scalars, strings) are static: part of the cache
+    key, so Python may branch on them."""
+
+    class Static(NamedTuple):
+        treedef: Any
+        inputs: tuple      # positions of the leaves passed in (Variables, arrays)
+        consts: tuple      # (position, value) of every other leaf
+
+    @classmethod
+    def split(cls, tree):
+        """(input leaves, Static), or None where `unshared_leaves` refuses
+        the tree or a const is not hashable."""
+        got = _unshared(tree)
+        if got is None:
+            return None
+        found, leaves, treedef = got
+        inputs = tuple(i for i, x in enumerate(found) if _is_input(x))
+        taken = set(inputs)
+        static = cls.Static(treedef, inputs,
+                            tuple((i, x) for i, x in enumerate(leaves) if i not in taken))
+        try:
+            hash(static)
+        except TypeError:
+            return None
+        return [leaves[i] for i in inputs], static
 
     @staticmethod
-    def split(tree):
-        """`unshared_leaves(tree)` where its structure is hashable (the
-        `jax.jit` static argument), else None."""
-        got = unshared_leaves(tree)
-        if got is not None:
-            try:
-                hash(got[1])
-            except TypeError:
-                return None
-        return got
+    def rebuild(static, inputs):
+        leaves = [None] * static.treedef.num_leaves
+        for i, x in zip(static.inputs, inputs):
+            leaves[i] = x
+        for i, x in static.consts:
+            leaves[i] = x
+        return jax.tree.unflatten(static.treedef, leaves)
+
+    @classmethod
+    def leaves_after(cls, static, tree):
+        """The input leaves of `tree` after the call, or None if its
+        structure or consts changed."""
+        got = cls.split(tree)
+        return None if got is None or got[1] != static else got[0]
 
     @staticmethod
-    def flatten(tree):
-        return jax.tree.flatten(tree)
-
-    @staticmethod
-    def structure(treedef):
-        return treedef
-
-    @staticmethod
-    def rebuild(treedef, leaves):
-        return jax.tree.unflatten(treedef, leaves)
-
-    @staticmethod
-    def write_back(tree, treedef, leaves, updates: dict) -> None:
-        """Leaf i's new value into the caller's Variable holding leaf i
-        (`unshared_leaves`); other leaves are not state."""
+    def write_back(tree, static, leaves, updates: dict) -> None:
+        """Input k's new value into the caller's Variable holding it
+        (`unshared_leaves`: walk entry i is leaf i); other inputs (arrays
+        passed in) are not state."""
         from flax import nnx
 
         found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        for i, x in enumerate(found):
-            if i in updates and isinstance(x, nnx.Variable):
-                x.set_value(updates[i])
+        for k, v in updates.items():
+            x = found[static.inputs[k]]
+            if isinstance(x, nnx.Variable):
+                x.set_value(v)
 
 
 def unshared_leaves(tree):
@@ -154,6 +176,13 @@ def unshared_leaves(tree):
     leaf), no `Variable` is reached twice (a module or RNG stream on two
     paths), and each `Variable` holds one array or scalar (so entry i of a
     walk that stops at Variables is leaf i)."""
+    got = _unshared(tree)
+    return None if got is None else got[1:]
+
+
+def _unshared(tree):
+    """(walk entries stopping at Variables, leaves, treedef) or None: see
+    `unshared_leaves`."""
     from flax import nnx
 
     found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -166,7 +195,13 @@ def unshared_leaves(tree):
         elif isinstance(x, nnx.Pytree):   # a module that is not a pytree (pytree=False)
             return None
     leaves, treedef = jax.tree.flatten(tree)
-    return (leaves, treedef) if len(leaves) == len(found) else None
+    return (found, leaves, treedef) if len(leaves) == len(found) else None
+
+
+def _is_input(x) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable) or hasattr(x, "shape")
 
 
 def _one_leaf(value) -> bool:
@@ -182,24 +217,21 @@ class _SplitForm:
         from flax import nnx
 
         graphdef, *states = nnx.split(tree, nnx.Variable, ...)
-        leaves, treedef = jax.tree.flatten(tuple(states))   # the structure `flatten` gives
+        leaves, treedef = jax.tree.flatten(tuple(states))
         return leaves, _Static(graphdef, treedef)
-
-    @staticmethod
-    def flatten(tree):
-        from flax import nnx
-
-        return jax.tree.flatten(nnx.split(tree, nnx.Variable, ...)[1:])
-
-    @staticmethod
-    def structure(static):
-        return static.treedef
 
     @staticmethod
     def rebuild(static, leaves):
         from flax import nnx
 
         return nnx.merge(static.graphdef, *jax.tree.unflatten(static.treedef, leaves))
+
+    @staticmethod
+    def leaves_after(static, tree):
+        from flax import nnx
+
+        leaves, treedef = jax.tree.flatten(tuple(nnx.split(tree, nnx.Variable, ...)[1:]))
+        return leaves if treedef == static.treedef else None
 
     @staticmethod
     def write_back(tree, static, leaves, updates: dict) -> None:

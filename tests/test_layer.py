@@ -178,3 +178,19 @@ def test_an_unshared_module_takes_the_pytree_path_and_writes_its_updates_back():
     for _ in range(3):
         assert_close(call(cached, x), plain(x), scale=jnp.abs(plain.n[...] * x))
     assert float(cached.n[...]) == 3.0
+
+
+def test_a_python_flag_beside_a_module_is_static_as_under_nnx_split():
+    """Python values among the arguments are part of the cache key, not
+    traced inputs (as `nnx.split` keeps them), so the layer may branch on
+    them; arrays and Variable values are the inputs."""
+    from jaxbackend import _layer
+
+    lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 3))
+    inputs, static = _layer._TreeForm.split(((lin, x, True, "relu"), {}))
+    assert len(inputs) == 3 and {v for _, v in static.consts} == {True, "relu"}
+    call = jb.layer(lambda m, x, flag, act: (m(x) if flag else -m(x)) if act == "relu" else x)
+    for flag in (True, False):
+        assert_close(call(lin, x, flag, "relu"), lin(x) if flag else -lin(x),
+                     scale=jnp.abs(lin(x)) + 1)
