@@ -22,10 +22,10 @@ def _cfg(tmp_path, name="run", **kw):
                           "out": str(tmp_path / name), **kw})
 
 
-def _first_losses(cfg):
-    """The per-layer loss_fn, and the scale of the first two steps' losses:
-    the warm-up schedule starts at lr 0, so steps 0 and 1 both see the
-    initial parameters (on batches 0 and 1)."""
+def _first_loss_scales(cfg):
+    """The error scale (`abs_scale`) of the first two steps' losses: the
+    warm-up schedule starts at lr 0, so steps 0 and 1 both see the initial
+    parameters (on batches 0 and 1)."""
     model = GPT(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
     params, loss_fn = nn.functional(model, "loss")
     data = jnp.asarray(_data.split(_data.load_corpus(cfg.max_chars))[0])
@@ -40,7 +40,7 @@ def test_stacked_training_computes_the_per_layer_runs_losses(tmp_path, devices):
     params = stacked["params"]["blocks"]
     assert isinstance(params, jb.Stacked) and len(params) == 2
     assert all(a.shape[0] == 2 for a in jax.tree.leaves(params))
-    scales = _first_losses(_cfg(tmp_path))
+    scales = _first_loss_scales(_cfg(tmp_path))
     first = [jnp.float32(r["history"][i]) for r in (stacked, per_layer) for i in (0, 1)]
     assert_close(first[:2], first[2:], scale=scales,   # float32 losses, as the step computed
                  what="the first two losses (initial parameters)")
