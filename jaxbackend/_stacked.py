@@ -221,12 +221,20 @@ def stack_layers(tree):
     found: list = []
     out = _stack(tree, (), misses, found)
     if not found:
-        raise ValueError(
-            "stack_layers: no list, tuple or dict keyed 0..n-1 of >= 2 layers with one "
-            "structure, shapes and dtypes in this tree" + "".join("; " + m for m in misses[:1])
-            + "; pass the tree that holds the layers (the params of nn.functional, or a list "
-            "of per-layer weight trees).")
+        raise NothingToStack(
+            "no list, tuple or dict keyed 0..n-1 of >= 2 layers with one structure, shapes "
+            "and dtypes in this tree" + "".join("; " + m for m in misses[:1]))
     return out
+
+
+class NothingToStack(ValueError):
+    """`stack_layers` found no layers; `what` says what it looked for and
+    where layers differ, for callers that give their own advice."""
+
+    def __init__(self, what: str):
+        super().__init__(f"stack_layers: {what}; pass the tree that holds the layers (the "
+                         f"params of nn.functional, or a list of per-layer weight trees).")
+        self.what = what
 
 
 def unstack_layers(tree):

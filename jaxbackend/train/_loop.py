@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 from jaxbackend import nn
-from jaxbackend._stacked import stack_layers, unstack_layers
+from jaxbackend._stacked import NothingToStack, stack_layers, unstack_layers
 from jaxbackend.jit import jit
 from jaxbackend import _scripts
 from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
@@ -220,10 +220,9 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
     if cfg.stack_layers:
         try:
             params = stack_layers(params)
-        except ValueError as e:   # nothing to stack: name the flag that asked for it
-            where = str(e).split("; pass the tree")[0].removeprefix("stack_layers: ")
+        except NothingToStack as e:   # name the flag that asked for it
             raise ValueError(f"stack_layers: {model_name} has no list of >= 2 identical layers "
-                             f"to keep stacked ({where}); drop --stack-layers.") from None
+                             f"to keep stacked ({e.what}); drop --stack-layers.") from None
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
