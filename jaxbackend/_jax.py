@@ -36,6 +36,8 @@ check_jaxpr = jex_core.check_jaxpr
 
 # `ShapedArray` is public via jax.core in JAX 0.10 (jax.extend.core lacks it).
 from jax.core import ShapedArray  # noqa: E402
+# `trace_context` lives in jax._src.config only (JAX 0.10); see `trace_context`.
+from jax._src import config as _config  # noqa: E402
 
 
 def define_primitive(name: str) -> Primitive:
@@ -263,6 +265,13 @@ def _check_scopes(jaxpr: Jaxpr, seen: set) -> None:
 def eval_jaxpr(closed: ClosedJaxpr, *args):
     """Evaluate `closed` by binding each equation in the current trace."""
     return jaxpr_as_fun(closed)(*args)
+
+
+def trace_context() -> tuple:
+    """The JAX config values a trace depends on (x64, matmul precision, ...),
+    hashable: what JAX's own trace caches key on besides the arguments
+    (`jax._src.config.trace_context`, JAX 0.10: no public alias)."""
+    return _config.trace_context()
 
 
 def sharding_is_unspecified(s) -> bool:

@@ -107,10 +107,20 @@ class _Traced(NamedTuple):
     static: tuple     # the static values, hashable: with the leaf types, the plan's key
 
 
-def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
+def _split_args(args, kwargs, static_argnums, static_argnames) -> tuple:
+    """(static positional, static kwargs, dynamic positional, dynamic kwargs)."""
     static, dynamic = _split_static(args, static_argnums)
     static_kw = {k: v for k, v in kwargs.items() if k in static_argnames}
     dyn_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    return static, static_kw, dynamic, dyn_kw
+
+
+def _static_key(static, static_kw) -> tuple:
+    return tuple(sorted(static.items())), tuple(sorted(static_kw.items()))
+
+
+def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
+    static, static_kw, dynamic, dyn_kw = _split_args(args, kwargs, static_argnums, static_argnames)
     leaves, in_tree = jax.tree.flatten((dynamic, dyn_kw))
 
     def flat_fn(*xs):
@@ -123,7 +133,7 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_spec, leaves))
     return _Traced(closed, leaves, (tuple(dynamic), dyn_kw), out_shape,
-                   (tuple(sorted(static.items())), tuple(sorted(static_kw.items()))))
+                   _static_key(static, static_kw))
 
 
 def _nnx_state(tree) -> list:
@@ -261,13 +271,19 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
 
     @functools.wraps(fn)  # jax.jit reads fn's name and signature through this
     def body(*args, **kwargs):
+        if planner is not None:
+            donated = _donated_leaves(args, kwargs, static_argnums, static_argnames, *donate)
+            hit = planner.lookup(args, kwargs, static_argnums, static_argnames, donated)
+            if hit is not None:   # planned before: JAX traces again for new input shardings
+                plan, leaves = hit
+                if holder:
+                    holder[0].plan = plan
+                return jax.tree.unflatten(plan.out_tree, _run_planned(plan, leaves))
         t = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
         closed, report = _pipeline.run_pipeline(t.closed, passes, label=label)
         if _transform is not None:
             closed = _pipeline.checked("_transform", _transform, closed)
-        plan = (None if planner is None else
-                planner(t._replace(closed=closed), _donated_leaves(args, kwargs, static_argnums,
-                                                                   static_argnames, *donate)))
+        plan = None if planner is None else planner(t._replace(closed=closed), donated)
         if holder:
             holder[0].trace_count += 1
             holder[0].last_report = report
@@ -330,10 +346,29 @@ class _Planner:
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.cache: dict = {}
 
+    @staticmethod
+    def _key(static, dynamic, leaves, donated) -> tuple:
+        # JAX's own trace cache keys on its config too (x64, matmul precision, ...)
+        return (static, jax.tree.structure(dynamic), tuple(map(_spec, leaves)), donated,
+                _jax.trace_context())
+
+    def lookup(self, args, kwargs, static_argnums, static_argnames, donated):
+        """(plan, dynamic leaves) where these arguments were planned before,
+        else None. JAX traces `body` again for inputs laid out differently
+        (placed by the plan after a first call or `.lower` on unplaced
+        ones): the program and plan are the same, and this skips fn's
+        trace, the passes and the search."""
+        static, static_kw, dynamic, dyn_kw = _split_args(args, kwargs, static_argnums,
+                                                         static_argnames)
+        dyn = (tuple(dynamic), dyn_kw)
+        leaves = jax.tree.leaves(dyn)
+        plan = self.cache.get(self._key(_static_key(static, static_kw), dyn, leaves, donated))
+        return None if plan is None else (plan, leaves)
+
     def __call__(self, t: _Traced, donated: tuple = ()):
         from jaxbackend.sharding import _plan
 
-        key = (t.static, jax.tree.structure(t.dynamic), tuple(map(_spec, t.leaves)), donated)
+        key = self._key(t.static, t.dynamic, t.leaves, donated)
         plan = self.cache.get(key)
         if plan is None:
             plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),

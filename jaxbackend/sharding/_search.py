@@ -2,7 +2,8 @@
 within a memory budget; exact (proven optimal) unless its stats say not.
 
 Precondition: a `CostModel`. The space: each key that some input argument
-holds (a dim name, or a tied group of unnamed dims) of size > 1 may take any
+holds (a dim name, or a tied group of unnamed dims), and each named dim,
+of size > 1 may take any
 group of mesh axes (a subset, in mesh order) whose size divides it; other
 keys stay unsharded. A plan is a point of the grid of all keys' options;
 time and memory of plans are lookups in the cost model's terms tabulated
@@ -52,13 +53,23 @@ TIME_LIMIT = 10.0            # seconds before the branch and bound gives way to 
 TOLERANCE = 0.01
 
 
+def planned_keys(cm) -> set:
+    """The keys a plan chooses a layout for: those an input argument holds,
+    and every named dim (a name the program gave, such as the `batch` of
+    tokens a training step draws from its data inside the step). Unnamed
+    intermediate dims stay unsharded (XLA propagates from their neighbours)."""
+    g = cm.g
+    held = {k for v in g.invars for k in cm.var_keys[v]}
+    return held | {g.class_key[c] for c in g.class_names}
+
+
 def search_space(cm):
     """(searched keys, options per key as mask arrays)."""
     g, mesh = cm.g, cm.mesh
-    held = {k for v in g.invars for k in cm.var_keys[v]}
+    planned = planned_keys(cm)
     keys, options = [], []
     for k in range(cm.n_keys):
-        if k not in held or g.key_size[k] <= 1:
+        if k not in planned or g.key_size[k] <= 1:
             continue
         opts = [m for m in range(1 << len(mesh.axis_names))
                 if mesh.group_size[m] == 1 or g.key_size[k] % int(mesh.group_size[m]) == 0]

@@ -34,8 +34,10 @@ exception raised from the signal handler: an exception could land between
 a donating step call and the assignment of its results, leaving nothing
 valid to save.
 
-Multi-device (`devices > 1`): a 1-d mesh `data`, the searched rules, the
-parameters placed by the dims they record (`_shard`).
+Multi-device (`devices > 1`): a 1-d mesh `data`; the step is compiled with
+`jb.jit(mesh=)`, so the sharding search plans the whole step, and the
+parameters, the data and the optimizer state are placed by that plan
+(`_shard`).
 
 `stack_layers` (`--stack-layers`): the params (so the optimizer state and
 the checkpoint) keep the L blocks' weights as stacked arrays
@@ -45,7 +47,7 @@ which is most of XLA's compile time for a deep model (BENCHMARKS.md). It
 changes the checkpoint's layout, so a resume must keep it.
 
 `train` runs five stages over one `_Run` record: `_setup` (checks, corpus,
-model, optimizer), `_shard.shard` (devices > 1), `_resume` (optimizer state, from
+model, optimizer), `_shard.place` (devices > 1), `_resume` (optimizer state, from
 the checkpoint on --resume), `_loop` (steps, evaluations, checkpoints) and
 `_finish` (final loss, sample, plot, the result dict). Progress is a
 `rich` bar on a terminal and plain lines elsewhere (`_progress`); every
@@ -144,9 +146,10 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class _Run:
-    """What the stages of `train` share. `_setup` builds it; `_shard` places
-    `params` and sets `constrain`; `_resume` sets `opt_state` and where the
-    run starts; `_loop` advances `params`, `opt_state` and the histories."""
+    """What the stages of `train` share. `_setup` builds it; `train` sets
+    `step_fn`; `_shard.place` places `params` and `data` by the step's plan;
+    `_resume` sets `opt_state` and where the run starts; `_loop` advances
+    `params`, `opt_state` and the histories."""
 
     cfg: TrainConfig
     ckpt: pathlib.Path
@@ -166,7 +169,9 @@ class _Run:
     data: jax.Array
     eval_fn: Callable
     val_batches: list
-    constrain: Callable = lambda a: a   # the batch's sharding constraint (`_shard`)
+    step_fn: Callable | None = None
+    opt_shardings: object = None    # the optimizer state's layout by the plan (`_shard`)
+    plan_s: float = 0.0             # seconds the sharding plan took, before the first step
     opt_state: object = None
     start: int = 0
     history: list = dataclasses.field(default_factory=list)
@@ -189,8 +194,9 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None, *, model=None, l
     every step (a notebook redraws its live loss plot from it). `stop()`,
     polled after every step, True: save a checkpoint and raise `Stopped`."""
     run = _setup(cfg, log, model, loss, data)
+    run.step_fn = _step_fn(run, _shard.make_mesh(cfg) if cfg.devices > 1 else None)
     if cfg.devices > 1:
-        _shard.shard(run)
+        _shard.place(run)
     _resume(run)
     with Progress(cfg.steps, run.start, cfg.quiet) as bar, \
             _checkpoint.Checkpointer(run.ckpt, cfg.keep) as saver:
@@ -279,7 +285,8 @@ def _loss_of(model: nnx.Module, loss):
 def _resume(run: _Run) -> None:
     """A fresh optimizer state, or the checkpoint's state and histories
     (placed like the fresh state)."""
-    run.opt_state = run.tx.init(run.params)
+    run.opt_state = (run.tx.init(run.params) if run.opt_shardings is None else
+                     jax.jit(run.tx.init, out_shardings=run.opt_shardings)(run.params))
     if run.cfg.resume:
         # Each process reads the shards the fresh state's shardings place on
         # its devices: the mesh may differ from the one that saved.
@@ -289,14 +296,14 @@ def _resume(run: _Run) -> None:
         run.say(f"resumed from {run.ckpt / str(run.start)} at step {run.start}")
 
 
-def _step_fn(run: _Run):
-    """The compiled training step; it donates the parameters and the
-    optimizer state."""
-    cfg, loss_fn, tx, constrain = run.cfg, run.loss_fn, run.tx, run.constrain
+def _step_fn(run: _Run, mesh=None):
+    """The compiled training step (sharded by its searched plan on `mesh`);
+    it donates the parameters and the optimizer state."""
+    cfg, loss_fn, tx = run.cfg, run.loss_fn, run.tx
 
     def loss_and_grads(params, data, batch_index):
         x, y = _data.get_batch(data, cfg.seed, batch_index, cfg.batch, cfg.seq)
-        return jax.value_and_grad(loss_fn)(params, constrain(x), constrain(y))
+        return jax.value_and_grad(loss_fn)(params, x, y)
 
     def train_step(params, opt_state, data, step):
         if cfg.accum == 1:
@@ -311,14 +318,14 @@ def _step_fn(run: _Run):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, (loss, optax.tree.norm(grads))
 
-    return jit(train_step, donate_argnums=(0, 1))
+    return jit(train_step, donate_argnums=(0, 1), mesh=mesh)
 
 
 def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, stop) -> tuple:
     """Steps from `run.start` to `cfg.steps`, evaluating and checkpointing on
     schedule; returns (elapsed seconds, seconds of the first step)."""
     cfg, say = run.cfg, run.say
-    step_fn = _step_fn(run)
+    step_fn = run.step_fn
     shape = (f"{cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads"
              if isinstance(run.model, GPT) else run.identity["model"])
     say(f"corpus: {len(run.ids):,} tokens of {run.source} ({len(run.train_ids):,} train / "
@@ -414,7 +421,8 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
     say(f"loss curve -> {png}")
     tokens = cfg.batch * cfg.seq * cfg.accum
     return dict(history=run.history, val_history=run.val_history, val=val, baseline=baseline,
-                elapsed=elapsed, steps_run=run_steps, compile_s=t_compile,
+                elapsed=elapsed, steps_run=run_steps,
+                compile_s=None if t_compile is None else run.plan_s + t_compile,
                 tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),
                 sample=sample, png=png, ckpt=run.ckpt, jit=JIT_NAME, params=run.params)
 

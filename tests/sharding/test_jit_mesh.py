@@ -82,6 +82,7 @@ def test_donated_params_and_state_are_freed_the_rest_kept(mesh):
     f.lower(*args, 0.1)                                   # plans: the layouts to place with
     placed = jax.device_put(args, f.plan.shardings(args))
     out = f(*placed, 0.1)
+    assert f.trace_count == 1   # placed inputs: JAX traces again, the plan cache answers
     testing.assert_close(out, want, what="donating step")
     donated, kept = jax.tree.leaves(placed[:2]), jax.tree.leaves(placed[2:])
     assert all(x.is_deleted() for x in donated)
@@ -89,6 +90,43 @@ def test_donated_params_and_state_are_freed_the_rest_kept(mesh):
     again = f(*out[1:], *placed[2:], 0.1)                 # the step's own outputs donate too
     assert all(x.is_deleted() for x in jax.tree.leaves(out[1:]))
     assert np.isfinite(float(again[0]))
+
+
+def test_a_call_on_placed_inputs_reuses_the_plan_without_running_fn(mesh):
+    # Lowering on unplaced arguments plans; the call on arguments placed by
+    # that plan is a new JAX trace (the layouts are part of its key), which
+    # evaluates the planned program: fn, the passes and the search run once.
+    args, runs = _args(), []
+
+    def counted(*a):
+        runs.append(1)
+        return step(*a)
+
+    f = jb.jit(counted, mesh=mesh, static_argnums=(4,))
+    f.lower(*args, 0.1)
+    placed = jax.device_put(args, f.plan.shardings(args))
+    testing.assert_close(f(*placed, 0.1), _reference(args, 0.1), what="placed call")
+    assert len(runs) == 1 and f.trace_count == 1
+    f(*args, 0.05)                                        # another static value: plans again
+    assert len(runs) == 2 and f.trace_count == 2
+
+
+def test_a_named_dim_made_inside_the_step_is_planned(mesh):
+    # The step draws its batch from a data array (as the training loop does):
+    # `batch` is no input's dim, but a name the program gives; it is searched.
+    params = _args()[0]
+    data = jax.random.normal(jax.random.key(1), (4096, 8))
+
+    def from_data(params, data, i):
+        x = nx.as_named(jax.lax.dynamic_slice_in_dim(data, i * 1024, 1024), ("batch", "embd"))
+        return jax.grad(_loss)(params, x, x)
+
+    f = jb.jit(from_data, mesh=mesh)
+    got = f(params, data, 1)
+    assert f.plan.rules["batch"] is not None, f.plan.rules
+    testing.assert_close(got, jax.jit(from_data)(params, data, 1),
+                         scale=lambda: testing.abs_scale(from_data, params, data, 1),
+                         what="step drawing its batch")
 
 
 def test_memory_model_counts_donated_buffers_reused_by_results(mesh):
