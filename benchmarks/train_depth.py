@@ -1,11 +1,12 @@
 """The training loop on 8 devices against depth: `--stack-layers` or not.
 
 `jaxbackend.train.train` (what `python -m jaxbackend train` runs) with
-`devices=8` (a 1-d `data` mesh of simulated CPU devices, the searched rules
-placing the parameters, `jb.jit(donate_argnums=)`), embd 64, 4 heads, seq
-64, batch 16, 2 steps, no evaluation, sample or checkpoint. Seconds of the
-first step (trace, passes, lower, XLA compile and one step: `compile_s`;
-the sharding search before it is not counted), per-layer params against
+`devices=8` (a 1-d `data` mesh of simulated CPU devices; the step is
+`jb.jit(mesh=, donate_argnums=(0, 1))`, its searched plan placing the
+parameters, data and optimizer state), embd 64, 4 heads, seq 64, batch 16,
+2 steps, no evaluation, sample or checkpoint. Seconds to the end of the
+first step (trace, passes, sharding search, lower, XLA compile and one
+step: `compile_s`), per-layer params against
 `stack_layers=True`, at 4, 8 and 32 layers; one fresh process per point,
 the variants interleaved, medians of `--repeat`. Target (issue 12): the
 32-layer step within 1.5x the 4-layer one.
@@ -61,8 +62,9 @@ def main() -> None:
     rows = [[n, *(f"{med[v, n]:.2f}" for v in VARIANTS)] for n in depths]
     ratio = {v: med[v, hi] / med[v, lo] for v in VARIANTS}
     body = ("`python -m jaxbackend train --devices 8` (its `train` function), embd 64, 4 heads, "
-            f"seq 64, batch 16; seconds of the first step (trace, passes, lower, XLA compile, one "
-            f"step; the sharding search before it is not counted), median of {repeat} fresh "
+            f"seq 64, batch 16, the step compiled with `jb.jit(mesh=, donate_argnums=(0, 1))`; "
+            f"seconds to the end of the first step (trace, passes, sharding search of the whole "
+            f"step, lower, XLA compile, one step), median of {repeat} fresh "
             f"processes per point:\n\n"
             + table(["layers", "per-layer params", "`--stack-layers`"], rows) + "\n\n"
             + "\n".join(f"- {v}: {hi} / {lo} layers = **{ratio[v]:.2f}** (target <= 1.5): "

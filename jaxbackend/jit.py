@@ -41,8 +41,9 @@ einsums included.
 Sharding: without a mesh, `in_shardings=`/`out_shardings=` pass through to
 `jax.jit`. With `mesh=` (Auto axes), the trace also plans: the sharding
 search (or `rules=`, a dict or a Plan) runs on the jaxpr after the passes,
-once per static values and argument types (the plan cache is JAX's trace
-cache, plus ours keyed the same way), and the program is evaluated with a
+once per static values and argument types (`_planned.Planner`: a call on
+inputs placed by the plan is a new JAX trace, answered from that cache
+without tracing fn again), and the program is evaluated with a
 sharding constraint on every input, every output and every top-level
 contraction, so XLA lays out arguments, results and contractions as the
 plan says. `static_argnums`, `static_argnames`, `donate_argnums` mean what
@@ -63,13 +64,9 @@ import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import numpy as np
 
-from jaxbackend import _jax
+from jaxbackend import _jax, _planned
 from jaxbackend.passes import pipeline as _pipeline
-
-_UNSPECIFIED = object()
-
 
 def _split_static(args, static_argnums):
     """({position: static arg}, [dynamic args]). A negative argnum counts from
@@ -91,12 +88,6 @@ def _merge_static(static, dynamic):
     for i in range(len(static) + len(dynamic)):
         out.append(static[i] if i in static else next(it))
     return out
-
-
-def _spec(x) -> jax.ShapeDtypeStruct:
-    # jax.typeof keeps weak types (Python scalars, weak arrays) as jax.jit does
-    t = jax.typeof(x)
-    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
 
 
 class _Traced(NamedTuple):
@@ -131,7 +122,7 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
         _check_nnx_unchanged(fn, watched)
         return out
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_spec, leaves))
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_planned.spec, leaves))
     return _Traced(closed, leaves, (tuple(dynamic), dyn_kw), out_shape,
                    _static_key(static, static_kw))
 
@@ -222,8 +213,8 @@ def _check_callable(fn) -> None:
 
 
 def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
-        static_argnames=None, donate_argnums=None, in_shardings=_UNSPECIFIED,
-        out_shardings=_UNSPECIFIED, reroll: bool | int = True, mesh=None, rules=None,
+        static_argnames=None, donate_argnums=None, in_shardings=_planned.UNSPECIFIED,
+        out_shardings=_planned.UNSPECIFIED, reroll: bool | int = True, mesh=None, rules=None,
         memory_budget=None, profile=None, _transform: Callable | None = None, **jax_jit_kwargs):
     """Like `jax.jit(fn)`, with jaxbackend's passes run on the traced jaxpr.
 
@@ -241,7 +232,7 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     name rules, or `rules=` (a dict or a Plan) gives them; the program runs
     with the plan's layouts pinned on inputs, outputs and every named
     contraction, in scan bodies too. `inline` does not run under a mesh
-    (`_mesh_passes`).
+    (`_planned.mesh_passes`).
 
     The result is JAX's jit object, with `.trace_passes(*args)`, `.passes`,
     `.trace_count`, `.last_report` and `.plan` added (module docstring).
@@ -258,11 +249,11 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
         from jaxbackend.sharding._mesh import check_auto_axes  # loaded only when used
 
         check_auto_axes(mesh)
-        passes = _mesh_passes(passes)
+        passes = _planned.mesh_passes(passes)
     names = tuple(n for n, _ in _pipeline.resolve(passes))  # fail early on unknown pass names
     static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
     label = getattr(fn, "__name__", "fn")
-    planner = None if mesh is None else _Planner(mesh, rules, memory_budget, profile,
+    planner = None if mesh is None else _planned.Planner(mesh, rules, memory_budget, profile,
                                                  in_shardings, out_shardings)
     donate_names = jax_jit_kwargs.get("donate_argnames") or ()
     donate = (_index_tuple(donate_argnums) or (),
@@ -273,12 +264,14 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
     def body(*args, **kwargs):
         if planner is not None:
             donated = _donated_leaves(args, kwargs, static_argnums, static_argnames, *donate)
-            hit = planner.lookup(args, kwargs, static_argnums, static_argnames, donated)
-            if hit is not None:   # planned before: JAX traces again for new input shardings
+            static, static_kw, dynamic, dyn_kw = _split_args(args, kwargs, static_argnums,
+                                                             static_argnames)
+            hit = planner.lookup(_static_key(static, static_kw), (tuple(dynamic), dyn_kw), donated)
+            if hit is not None:   # planned before: JAX traces again for new input layouts
                 plan, leaves = hit
                 if holder:
                     holder[0].plan = plan
-                return jax.tree.unflatten(plan.out_tree, _run_planned(plan, leaves))
+                return jax.tree.unflatten(plan.out_tree, _planned.run_planned(plan, leaves))
         t = _trace_flat(fn, args, kwargs, static_argnums, static_argnames)
         closed, report = _pipeline.run_pipeline(t.closed, passes, label=label)
         if _transform is not None:
@@ -291,14 +284,14 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
         if plan is None:
             outs = _jax.eval_jaxpr(closed, *t.leaves)
         else:
-            outs = _run_planned(plan, t.leaves)
+            outs = _planned.run_planned(plan, t.leaves)
         return jax.tree.unflatten(jax.tree.structure(t.out_shape), outs)
 
     kw = dict(jax_jit_kwargs, static_argnums=static_argnums, static_argnames=static_argnames,
               donate_argnums=donate_argnums)
-    if in_shardings is not _UNSPECIFIED:
+    if in_shardings is not _planned.UNSPECIFIED:
         kw["in_shardings"] = in_shardings
-    if out_shardings is not _UNSPECIFIED:
+    if out_shardings is not _planned.UNSPECIFIED:
         kw["out_shardings"] = out_shardings
     jitted: Any = jax.jit(body, **kw)
     # Return jax's own jit function object, so a call *is* a jax.jit call
@@ -325,120 +318,3 @@ def _donated_leaves(args, kwargs, static_argnums, static_argnames, nums, names) 
              {k: jax.tree.map(lambda _, d=k in names: d, v)
               for k, v in kwargs.items() if k not in static_argnames})
     return tuple(jax.tree.leaves(flags))
-
-
-def _mesh_passes(passes) -> tuple:
-    """The passes run under a mesh: all but `inline`, so the search plans a
-    jaxpr that still has its named einsums (they lower by themselves).
-    `reroll` runs first, as without a mesh: the search plans the rolled
-    program (a scan body is walked once, its cost counted per trip), and
-    the plan's constraints go inside the scan bodies (`_run_planned`), so
-    compile time stays flat in depth under a mesh too."""
-    return tuple(f for n, f in _pipeline.resolve(passes) if n != "inline")
-
-
-class _Planner:
-    """Plans per (static values, argument types); checks given in/out
-    shardings against each plan."""
-
-    def __init__(self, mesh, rules, memory_budget, profile, in_shardings, out_shardings):
-        self.mesh, self.rules, self.budget, self.profile = mesh, rules, memory_budget, profile
-        self.in_shardings, self.out_shardings = in_shardings, out_shardings
-        self.cache: dict = {}
-
-    @staticmethod
-    def _key(static, dynamic, leaves, donated) -> tuple:
-        # JAX's own trace cache keys on its config too (x64, matmul precision, ...)
-        return (static, jax.tree.structure(dynamic), tuple(map(_spec, leaves)), donated,
-                _jax.trace_context())
-
-    def lookup(self, args, kwargs, static_argnums, static_argnames, donated):
-        """(plan, dynamic leaves) where these arguments were planned before,
-        else None. JAX traces `body` again for inputs laid out differently
-        (placed by the plan after a first call or `.lower` on unplaced
-        ones): the program and plan are the same, and this skips fn's
-        trace, the passes and the search."""
-        static, static_kw, dynamic, dyn_kw = _split_args(args, kwargs, static_argnums,
-                                                         static_argnames)
-        dyn = (tuple(dynamic), dyn_kw)
-        leaves = jax.tree.leaves(dyn)
-        plan = self.cache.get(self._key(_static_key(static, static_kw), dyn, leaves, donated))
-        return None if plan is None else (plan, leaves)
-
-    def __call__(self, t: _Traced, donated: tuple = ()):
-        from jaxbackend.sharding import _plan
-
-        key = self._key(t.static, t.dynamic, t.leaves, donated)
-        plan = self.cache.get(key)
-        if plan is None:
-            plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),
-                                    jax.tree.structure(t.dynamic), jax.tree.structure(t.out_shape),
-                                    mesh=self.mesh, rules=self.rules,
-                                    memory_budget=self.budget, profile=self.profile,
-                                    in_paths=_plan.paths_of(t.dynamic), donated=donated)
-            self.cache[key] = plan
-        if self.in_shardings is not _UNSPECIFIED:
-            _check_agrees("in_shardings", "argument", self.in_shardings, t.dynamic[0],
-                          plan.in_specs()[:len(jax.tree.leaves(t.dynamic[0]))], plan)
-        if self.out_shardings is not _UNSPECIFIED:
-            _check_agrees("out_shardings", "output", self.out_shardings, t.out_shape,
-                          plan.out_specs(), plan)
-        return plan
-
-
-def _check_agrees(arg, what, given, tree, specs, plan) -> None:
-    """Each leaf's sharding in `given` (a prefix of `tree`) is the plan's."""
-    is_sharding = lambda x: x is None or isinstance(x, (jax.sharding.Sharding,  # noqa: E731
-                                                        jax.sharding.PartitionSpec))
-    given = jax.tree.leaves(jax.tree.broadcast(given, tree, is_leaf=is_sharding),
-                            is_leaf=is_sharding)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-    shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
-    for path, shape, g, spec in zip(paths, shapes, given, specs):
-        if g is None:
-            continue
-        want = plan.sharding(spec)
-        if isinstance(g, jax.sharding.PartitionSpec):
-            g = jax.sharding.NamedSharding(plan.mesh.mesh, g)
-        if not g.is_equivalent_to(want, len(shape)):
-            raise ValueError(
-                f"jb.jit(mesh=...): {arg} lays out {what} {path or '0'} as "
-                f"{getattr(g, 'spec', g)}, but the plan lays it out as {spec} (rules "
-                f"{plan.rules}); drop {arg} (the plan sets it) or pass rules= that give this "
-                f"layout.")
-
-
-def _run_planned(plan, leaves) -> list:
-    """Evaluate the plan's program on `leaves` with its layouts pinned: a
-    sharding constraint on every input, every output and every top-level
-    contraction (XLA's propagation fills in the rest)."""
-    closed, wsc = plan.closed, jax.lax.with_sharding_constraint
-    cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
-    entered = _scans_holding(closed.jaxpr, cons)
-
-    def hook(eqn, outs):
-        s = cons.get(eqn)
-        return outs if s is None else [wsc(outs[0], s)]
-
-    ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
-    outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
-                                  enter=entered.__contains__)
-    return [wsc(y, plan.sharding(s)) for y, s in zip(outs, plan.out_specs())]
-
-
-def _scans_holding(jaxpr, eqns) -> set:
-    """The scan equations of `jaxpr` (at any depth) whose bodies hold one of
-    `eqns`: the ones the constrained evaluation must enter."""
-    found: set = set()
-
-    def visit(j) -> bool:
-        hit = False
-        for e in j.eqns:
-            inner = [visit(s) for s in _jax.sub_jaxprs(e)]   # every body, not just the first hit
-            if any(inner) and e.primitive.name == "scan":
-                found.add(e)
-            hit = hit or any(inner) or e in eqns
-        return hit
-
-    visit(jaxpr)
-    return found

@@ -1,0 +1,140 @@
+"""`jb.jit`'s `mesh=` half: the passes run under a mesh, the plan per
+argument types (`Planner`), and the program evaluated with the plan's
+layouts pinned (`run_planned`).
+
+A plan is made once per (static values, argument types, donated leaves, JAX
+config) and cached on the `jb.jit` object. JAX's own trace cache also keys
+on the inputs' layouts, so a call on arguments placed by the plan (after a
+first call or `.lower` on unplaced ones) is a new JAX trace of the same
+program: `Planner.lookup` answers it from the cache with the planned
+program, without running fn, the passes or the search again.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxbackend import _jax
+from jaxbackend.passes import pipeline as _pipeline
+
+UNSPECIFIED = object()   # in_shardings / out_shardings not given
+
+
+def spec(x) -> jax.ShapeDtypeStruct:
+    """A leaf's type as jax.jit sees it (jax.typeof keeps weak types: Python
+    scalars, weak arrays)."""
+    t = jax.typeof(x)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+
+
+def mesh_passes(passes) -> tuple:
+    """The passes run under a mesh: all but `inline`, so the search plans a
+    jaxpr that still has its named einsums (they lower by themselves).
+    `reroll` runs first, as without a mesh: the search plans the rolled
+    program (a scan body is walked once, its cost counted per trip), and
+    the plan's constraints go inside the scan bodies (`run_planned`), so
+    compile time stays flat in depth under a mesh too."""
+    return tuple(f for n, f in _pipeline.resolve(passes) if n != "inline")
+
+
+class Planner:
+    """Plans per (static values, argument types); checks given in/out
+    shardings against each plan."""
+
+    def __init__(self, mesh, rules, memory_budget, profile, in_shardings, out_shardings):
+        self.mesh, self.rules, self.budget, self.profile = mesh, rules, memory_budget, profile
+        self.in_shardings, self.out_shardings = in_shardings, out_shardings
+        self.cache: dict = {}
+
+    @staticmethod
+    def _key(static, dynamic, leaves, donated) -> tuple:
+        # JAX's own trace cache keys on its config too (x64, matmul precision, ...)
+        return (static, jax.tree.structure(dynamic), tuple(map(spec, leaves)), donated,
+                _jax.trace_context())
+
+    def lookup(self, static, dynamic, donated):
+        """(plan, dynamic leaves) where these arguments (static values, the
+        tree of dynamic ones) were planned before, else None."""
+        leaves = jax.tree.leaves(dynamic)
+        plan = self.cache.get(self._key(static, dynamic, leaves, donated))
+        return None if plan is None else (plan, leaves)
+
+    def __call__(self, t, donated: tuple = ()):
+        """The plan of `t` (jit's `_Traced`, its jaxpr after the passes)."""
+        from jaxbackend.sharding import _plan
+
+        key = self._key(t.static, t.dynamic, t.leaves, donated)
+        plan = self.cache.get(key)
+        if plan is None:
+            plan = _plan.plan_jaxpr(t.closed, _plan.dims_of(t.dynamic), _plan.dims_of(t.out_shape),
+                                    jax.tree.structure(t.dynamic), jax.tree.structure(t.out_shape),
+                                    mesh=self.mesh, rules=self.rules,
+                                    memory_budget=self.budget, profile=self.profile,
+                                    in_paths=_plan.paths_of(t.dynamic), donated=donated)
+            self.cache[key] = plan
+        if self.in_shardings is not UNSPECIFIED:
+            _check_agrees("in_shardings", "argument", self.in_shardings, t.dynamic[0],
+                          plan.in_specs()[:len(jax.tree.leaves(t.dynamic[0]))], plan)
+        if self.out_shardings is not UNSPECIFIED:
+            _check_agrees("out_shardings", "output", self.out_shardings, t.out_shape,
+                          plan.out_specs(), plan)
+        return plan
+
+
+def _check_agrees(arg, what, given, tree, specs, plan) -> None:
+    """Each leaf's sharding in `given` (a prefix of `tree`) is the plan's."""
+    is_sharding = lambda x: x is None or isinstance(x, (jax.sharding.Sharding,  # noqa: E731
+                                                        jax.sharding.PartitionSpec))
+    given = jax.tree.leaves(jax.tree.broadcast(given, tree, is_leaf=is_sharding),
+                            is_leaf=is_sharding)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
+    for path, shape, g, spec in zip(paths, shapes, given, specs):
+        if g is None:
+            continue
+        want = plan.sharding(spec)
+        if isinstance(g, jax.sharding.PartitionSpec):
+            g = jax.sharding.NamedSharding(plan.mesh.mesh, g)
+        if not g.is_equivalent_to(want, len(shape)):
+            raise ValueError(
+                f"jb.jit(mesh=...): {arg} lays out {what} {path or '0'} as "
+                f"{getattr(g, 'spec', g)}, but the plan lays it out as {spec} (rules "
+                f"{plan.rules}); drop {arg} (the plan sets it) or pass rules= that give this "
+                f"layout.")
+
+
+def run_planned(plan, leaves) -> list:
+    """Evaluate the plan's program on `leaves` with its layouts pinned: a
+    sharding constraint on every input, every output and every top-level
+    contraction (XLA's propagation fills in the rest)."""
+    closed, wsc = plan.closed, jax.lax.with_sharding_constraint
+    cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
+    entered = _scans_holding(closed.jaxpr, cons)
+
+    def hook(eqn, outs):
+        s = cons.get(eqn)
+        return outs if s is None else [wsc(outs[0], s)]
+
+    ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
+    outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
+                                  enter=entered.__contains__)
+    return [wsc(y, plan.sharding(s)) for y, s in zip(outs, plan.out_specs())]
+
+
+def _scans_holding(jaxpr, eqns) -> set:
+    """The scan equations of `jaxpr` (at any depth) whose bodies hold one of
+    `eqns`: the ones the constrained evaluation must enter."""
+    found: set = set()
+
+    def visit(j) -> bool:
+        hit = False
+        for e in j.eqns:
+            inner = [visit(s) for s in _jax.sub_jaxprs(e)]   # every body, not just the first hit
+            if any(inner) and e.primitive.name == "scan":
+                found.add(e)
+            hit = hit or any(inner) or e in eqns
+        return hit
+
+    visit(jaxpr)
+    return found
