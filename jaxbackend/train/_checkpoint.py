@@ -345,3 +345,28 @@ def _dtype_name(x) -> str:
     if _is_key(x):
         return _KEY + str(jax.random.key_impl(x))
     return jnp.dtype(x.dtype).name if hasattr(x, "dtype") else jnp.asarray(x).dtype.name
+
+
+# Settings older checkpoints did not record, and the value they all had.
+_RECORDED_SINCE = {"stack_layers": False}
+
+
+def check_resumable(ckpt, identity: dict):
+    """A resume with `identity` (the run's `TrainConfig.model_key` plus model
+    and data) can continue the checkpoint at `ckpt`: the same settings,
+    `steps` not below the saved step; else a one-line `CheckpointError`."""
+    meta = read_meta(ckpt)
+    # Older checkpoints lack some keys: compare what they recorded, or what
+    # every run had before a key was recorded.
+    saved = {**_RECORDED_SINCE, **meta.get("config", {})}
+    diff = [f"the data differs (checksum {saved[k]} in the checkpoint, {v} now)" if k == "data"
+            else f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
+            for k, v in identity.items() if k != "steps" and k in saved and saved[k] != v]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
+            f"resume with the checkpoint's settings.")
+    if identity["steps"] < meta["step"]:
+        raise CheckpointError(
+            f"steps={identity['steps']} is below the checkpoint's step {meta['step']}; resume with "
+            f"steps >= {meta['step']} (more steps extend the run).")

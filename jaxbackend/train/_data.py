@@ -85,6 +85,17 @@ def as_ids(data, what: str = "data") -> np.ndarray:
     return ids
 
 
+def load(data, path, max_chars: int) -> tuple:
+    """(token ids, what they are): `data` (a text or token ids), else the
+    text file at `path`, else the stdlib source; at most `max_chars` chars."""
+    if data is not None:
+        ids = as_ids(data[:max_chars] if isinstance(data, str) else data)
+        return ids, "the given text" if isinstance(data, str) else "the given token ids"
+    if path is not None:
+        return load_text(path, max_chars), path
+    return load_corpus(max_chars), "stdlib source"
+
+
 def vocab_size(ids: np.ndarray) -> int:
     """The vocabulary the model needs: the 128 chars, or more if ids go higher."""
     return max(VOCAB, int(ids.max()) + 1 if ids.size else 0)

@@ -57,7 +57,6 @@ step and evaluation also goes to `OUT/metrics.jsonl`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import time
@@ -75,7 +74,7 @@ from jaxbackend.jit import jit
 from jaxbackend import _scripts
 from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
 from jaxbackend.train import _checkpoint, _data, _plots, _shard
-from jaxbackend.train._progress import Progress
+from jaxbackend.train._progress import Progress, metrics_log
 
 CKPT_NAME = "checkpoints"   # the orbax folder: one sub-folder per kept step
 METRICS_NAME = "metrics.jsonl"   # one JSON object per step and per evaluation
@@ -154,7 +153,7 @@ class _Run:
     cfg: TrainConfig
     ckpt: pathlib.Path
     say: Callable[[str], None]
-    identity: dict                  # what a resume must agree on (`_check_resumable`)
+    identity: dict                  # what a resume must agree on (`_checkpoint.check_resumable`)
     source: str                     # what the data is, for the log
     schedule: Callable              # step -> learning rate
     model: nnx.Module
@@ -216,12 +215,12 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
         say(f"removed {tmp} (left by a run killed while saving)")
     if cfg.resume:  # fail fast on a missing or unreadable checkpoint
         _checkpoint.read_meta(ckpt)
-    ids, source = _load_data(cfg, data)
+    ids, source = _data.load(data, cfg.data, cfg.max_chars)
     train_ids, val_ids = _data.split(ids)
     model, model_name = _build_model(cfg, model, _data.vocab_size(ids))
     identity = {**cfg.model_key(), "model": model_name, "data": _data.fingerprint(ids)}
     if cfg.resume:
-        _check_resumable(ckpt, identity)
+        _checkpoint.check_resumable(ckpt, identity)
     params, loss_fn = nn.functional(model, _loss_of(model, loss))
     if cfg.stack_layers:
         try:
@@ -241,16 +240,6 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
                 val_ids=val_ids, baseline=_data.unigram_baseline(train_ids, val_ids),
                 data=jnp.asarray(train_ids), eval_fn=jit(loss_fn),
                 val_batches=_data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches))
-
-
-def _load_data(cfg: TrainConfig, data) -> tuple:
-    """(token ids, what they are): `data`, `cfg.data` (a file), or the stdlib."""
-    if data is not None:
-        ids = _data.as_ids(data[: cfg.max_chars] if isinstance(data, str) else data)
-        return ids, "the given text" if isinstance(data, str) else "the given token ids"
-    if cfg.data is not None:
-        return _data.load_text(cfg.data, cfg.max_chars), cfg.data
-    return _data.load_corpus(cfg.max_chars), "stdlib source"
 
 
 def _build_model(cfg: TrainConfig, model, vocab: int) -> tuple:
@@ -334,7 +323,7 @@ def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, st
         f"{JIT_NAME}")
     say(f"unigram baseline (val cross entropy of char frequencies): {run.baseline:.4f} nats/char")
     tokens = cfg.batch * cfg.seq * cfg.accum
-    metrics = _metrics_log(run)
+    metrics = metrics_log(pathlib.Path(cfg.out) / METRICS_NAME, run.start)
     t_start = t_last = time.perf_counter()
     t_compile = None
     for step in range(run.start, cfg.steps):
@@ -367,25 +356,6 @@ def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, st
         if stopping:
             raise Stopped(done, run.ckpt / str(done))
     return time.perf_counter() - t_start, t_compile
-
-
-def _metrics_log(run: _Run) -> Callable:
-    """`log(**fields)` appends one JSON line to OUT/metrics.jsonl (a notebook
-    plots it with `pandas.read_json(path, lines=True)`). A resumed run first
-    drops the lines past its checkpoint's step (a killed run logged steps it
-    never saved), so the file tells the history of the weights on disk."""
-    path = pathlib.Path(run.cfg.out) / METRICS_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    kept = []
-    if run.start and path.exists():
-        kept = [ln for ln in path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= run.start]
-    path.write_text("".join(ln + "\n" for ln in kept))
-
-    def log(**fields) -> None:
-        with path.open("a") as f:
-            f.write(json.dumps(fields) + "\n")
-    return log
 
 
 def _save(run: _Run, saver: _checkpoint.Checkpointer, done: int) -> None:
@@ -425,25 +395,3 @@ def _finish(run: _Run, elapsed: float, t_compile) -> dict:
                 compile_s=None if t_compile is None else run.plan_s + t_compile,
                 tok_s=tokens * max(run_steps - 1, 1) / max(elapsed - (t_compile or 0), 1e-9),
                 sample=sample, png=png, ckpt=run.ckpt, jit=JIT_NAME, params=run.params)
-
-
-# Settings older checkpoints did not record, and the value they all had.
-_RECORDED_SINCE = {"stack_layers": False}
-
-
-def _check_resumable(ckpt, identity: dict):
-    meta = _checkpoint.read_meta(ckpt)
-    # Older checkpoints lack some keys: compare what they recorded, or what
-    # every run had before a key was recorded.
-    saved = {**_RECORDED_SINCE, **meta.get("config", {})}
-    diff = [f"the data differs (checksum {saved[k]} in the checkpoint, {v} now)" if k == "data"
-            else f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
-            for k, v in identity.items() if k != "steps" and k in saved and saved[k] != v]
-    if diff:
-        raise _checkpoint.CheckpointError(
-            f"checkpoint {ckpt} was written with other settings: {'; '.join(diff)}; "
-            f"resume with the checkpoint's settings.")
-    if identity["steps"] < meta["step"]:
-        raise _checkpoint.CheckpointError(
-            f"steps={identity['steps']} is below the checkpoint's step {meta['step']}; resume with "
-            f"steps >= {meta['step']} (more steps extend the run).")

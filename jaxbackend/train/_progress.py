@@ -9,12 +9,15 @@ the bar, each on a line of its own; its console does not wrap them
 Elsewhere (a log file, a pipe, a notebook, a test's captured output): a
 plain line every ~5% of the run and at the end, so logs stay readable and
 greppable. `quiet` shows nothing; the metrics log (`OUT/metrics.jsonl`)
-is written either way.
+is written either way (`metrics_log`).
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
 import sys
+from collections.abc import Callable
 
 import rich.console
 import rich.progress
@@ -56,3 +59,22 @@ class Progress:
         elif not self.quiet and (step % self.every == 0 or step == self.total):
             print(f"step {step:>5}/{self.total}  loss {loss:.4f}  {tok_s / 1e3:.1f}k tok/s",
                   file=self.stream, flush=True)
+
+
+def metrics_log(path: pathlib.Path, start: int) -> Callable:
+    """`log(**fields)` appends one JSON line to `path`, OUT/metrics.jsonl (a
+    notebook plots it with `pandas.read_json(path, lines=True)`). A run
+    resumed at step `start` first drops the lines past it (a killed run
+    logged steps it never saved), so the file tells the history of the
+    weights on disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if start and path.exists():
+        kept = [ln for ln in path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= start]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(**fields) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(fields) + "\n")
+    return log

@@ -91,8 +91,9 @@ def test_resume_errors_name_flags_that_exist(tmp_path, capsys):
                     "--steps 2 is below the checkpoint's step 3")
     # max_chars is no flag (only --tiny sets it): the API error names the field
     with pytest.raises(_checkpoint.CheckpointError, match="max_chars=1000 .checkpoint.") as e:
-        _loop._check_resumable(ckpt, _loop.TrainConfig(steps=3, batch=2, seq=16, layers=1, embd=16,
-                                                       heads=2, max_chars=200_000).model_key())
+        _checkpoint.check_resumable(ckpt, _loop.TrainConfig(steps=3, batch=2, seq=16, layers=1,
+                                                             embd=16, heads=2,
+                                                             max_chars=200_000).model_key())
     assert "--max-chars" not in str(e.value)
 
 
