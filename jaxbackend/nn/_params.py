@@ -37,11 +37,6 @@ from jaxbackend._stacked import stack_layers, unstack_layers
 from jaxbackend.sharding import _axis_rules
 from jaxbackend.sharding._axis_rules import spec_for_dims
 
-# train/_loop.py reads rules through this name; it moves to
-# `jaxbackend.sharding.normalize_rules`, then this alias goes.
-normalize_rules = _axis_rules.normalize
-
-
 def param(init, key, sizes: dict, dtype=jnp.float32) -> nnx.Param:
     """An `nnx.Param` of shape `sizes.values()` with `dims=tuple(sizes)`."""
     dims = tuple(sizes)
