@@ -37,6 +37,7 @@ from jaxbackend._stacked import stack_layers, unstack_layers
 from jaxbackend.sharding import _axis_rules
 from jaxbackend.sharding._axis_rules import spec_for_dims
 
+
 def param(init, key, sizes: dict, dtype=jnp.float32) -> nnx.Param:
     """An `nnx.Param` of shape `sizes.values()` with `dims=tuple(sizes)`."""
     dims = tuple(sizes)
