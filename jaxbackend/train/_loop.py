@@ -145,8 +145,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class _Run:
-    """What the stages of `train` share. `_setup` builds it; `train` sets
-    `step_fn`; `_shard.place` places `params` and `data` by the step's plan;
+    """What the stages of `train` share. `_setup` builds it; `_shard.place`
+    places `params` and `data` by the compiled step's plan;
     `_resume` sets `opt_state` and where the run starts; `_loop` advances
     `params`, `opt_state` and the histories."""
 
@@ -168,7 +168,6 @@ class _Run:
     data: jax.Array
     eval_fn: Callable
     val_batches: list
-    step_fn: Callable | None = None
     opt_shardings: object = None    # the optimizer state's layout by the plan (`_shard`)
     plan_s: float = 0.0             # seconds the sharding plan took, before the first step
     opt_state: object = None
@@ -193,14 +192,14 @@ def train(cfg: TrainConfig, log=print, on_step=None, stop=None, *, model=None, l
     every step (a notebook redraws its live loss plot from it). `stop()`,
     polled after every step, True: save a checkpoint and raise `Stopped`."""
     run = _setup(cfg, log, model, loss, data)
-    run.step_fn = _step_fn(run, _shard.make_mesh(cfg) if cfg.devices > 1 else None)
+    step_fn = _step_fn(run, _shard.make_mesh(cfg) if cfg.devices > 1 else None)
     if cfg.devices > 1:
-        _shard.place(run)
+        _shard.place(run, step_fn)
     _resume(run)
     with Progress(cfg.steps, run.start, cfg.quiet) as bar, \
             _checkpoint.Checkpointer(run.ckpt, cfg.keep) as saver:
         # Leaving the block (done, stopped or failed) waits for the last save.
-        elapsed, t_compile = _loop(run, bar, saver, on_step, stop)
+        elapsed, t_compile = _loop(run, step_fn, bar, saver, on_step, stop)
     return _finish(run, elapsed, t_compile)
 
 
@@ -310,11 +309,11 @@ def _step_fn(run: _Run, mesh=None):
     return jit(train_step, donate_argnums=(0, 1), mesh=mesh)
 
 
-def _loop(run: _Run, bar: Progress, saver: _checkpoint.Checkpointer, on_step, stop) -> tuple:
+def _loop(run: _Run, step_fn, bar: Progress, saver: _checkpoint.Checkpointer, on_step,
+          stop) -> tuple:
     """Steps from `run.start` to `cfg.steps`, evaluating and checkpointing on
     schedule; returns (elapsed seconds, seconds of the first step)."""
     cfg, say = run.cfg, run.say
-    step_fn = run.step_fn
     shape = (f"{cfg.layers} layers, embd {cfg.embd}, {cfg.heads} heads"
              if isinstance(run.model, GPT) else run.identity["model"])
     say(f"corpus: {len(run.ids):,} tokens of {run.source} ({len(run.train_ids):,} train / "

@@ -41,15 +41,16 @@ def make_mesh(cfg) -> jax.sharding.Mesh:
     return jax.make_mesh((cfg.devices,), ("data",), axis_types=(AxisType.Auto,))
 
 
-def place(run) -> None:
-    """Plans `run.step_fn` on its mesh (printing the plan), places
-    `run.params` and `run.data` by it and records the optimizer state's
-    layout (`run.opt_shardings`) and the seconds planning took."""
+def place(run, step_fn) -> None:
+    """Plans `step_fn` (a `jb.jit(mesh=)` step) on its mesh, printing the
+    plan; places `run.params` and `run.data` by it and records the
+    optimizer state's layout (`run.opt_shardings`) and the seconds planning
+    took (`run.plan_s`)."""
     t0 = time.perf_counter()
     args = (run.params, jax.eval_shape(run.tx.init, run.params), run.data,
             jax.ShapeDtypeStruct((), jnp.int32))
-    run.step_fn.lower(*args)          # trace, passes and the search: sets .plan
-    plan = run.step_fn.plan
+    step_fn.lower(*args)              # trace, passes and the search: sets .plan
+    plan = step_fn.plan
     run.say(plan.table())
     params, run.opt_shardings, data, _ = plan.shardings(args)
     run.params = jax.device_put(run.params, params)
