@@ -348,7 +348,12 @@ def _dtype_name(x) -> str:
 
 
 # Settings older checkpoints did not record, and the value they all had.
-_RECORDED_SINCE = {"stack_layers": False}
+RECORDED_SINCE = {"stack_layers": False}
+
+
+def recorded(ckpt, key: str):
+    """The value of setting `key` the checkpoint at `ckpt` was written with."""
+    return {**RECORDED_SINCE, **read_meta(ckpt).get("config", {})}[key]
 
 
 def check_resumable(ckpt, identity: dict):
@@ -358,7 +363,7 @@ def check_resumable(ckpt, identity: dict):
     meta = read_meta(ckpt)
     # Older checkpoints lack some keys: compare what they recorded, or what
     # every run had before a key was recorded.
-    saved = {**_RECORDED_SINCE, **meta.get("config", {})}
+    saved = {**RECORDED_SINCE, **meta.get("config", {})}
     diff = [f"the data differs (checksum {saved[k]} in the checkpoint, {v} now)" if k == "data"
             else f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)"
             for k, v in identity.items() if k != "steps" and k in saved and saved[k] != v]

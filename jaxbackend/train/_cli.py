@@ -43,7 +43,7 @@ DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-
 TINY = dict(steps=40, batch=4, seq=32, layers=1, embd=32, heads=2, lr=3e-3, ckpt_every=10,
             eval_every=20, max_chars=200_000, eval_batches=2, sample_chars=40, warmup=5)
 OTHER_DEFAULTS = dict(seed=0, out="runs/train", devices=1, data=None, model=None,
-                      dtype="float32", accum=1, clip=1.0, keep=3, stack_layers=False)
+                      dtype="float32", accum=1, clip=1.0, keep=3, stack_layers=None)
 GPT_FLAGS = ("layers", "embd", "heads", "dtype")   # set the built-in GPT only
 CKPT_NAME = "checkpoints"   # = _loop.CKPT_NAME (not imported: _loop imports flax)
 RUN_FILES = (CKPT_NAME, "loss.png", "metrics.jsonl")   # what a run leaves in --out
@@ -98,6 +98,8 @@ def _nonneg_float(s):
 def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
     """The train command's parser. `given_only=True`: no defaults at all, so
     the parsed namespace holds exactly the flags on the command line."""
+    from jaxbackend.passes.pipeline import REROLL_MIN_REPEATS  # imports jax: no client yet
+
     tiny = ", ".join(f"{k} {v}" for k, v in TINY.items())
     p = _Parser(prog="python -m jaxbackend train",
                 description="Train a char-level GPT on the Python standard library's source "
@@ -141,9 +143,10 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
                    help="start a fresh run even if OUT already holds one (deletes it)")
     p.add_argument("--devices", type=pi,
                    help="simulated CPU devices (N > 1: data mesh + sharding plan)")
-    p.add_argument("--stack-layers", action="store_true",
+    p.add_argument("--stack-layers", action=argparse.BooleanOptionalAction,
                    help="keep the blocks' weights (and optimizer state, checkpoint) as stacked "
-                        "arrays: compile time flat in --layers; a resume must keep it")
+                        "arrays: compile time flat in --layers; a resume keeps it. None: "
+                        f"stacked from {REROLL_MIN_REPEATS} identical layers (the step is rolled)")
     p.add_argument("--tiny", action="store_true", help=f"small defaults for tests: {tiny}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     if not given_only:
@@ -205,7 +208,7 @@ def _take_checkpoint_settings(args, given: set, ckpt: pathlib.Path) -> None:
     from jaxbackend.train import _checkpoint  # numpy, jax, orbax imports only; no JAX client
 
     meta = _checkpoint.read_meta(ckpt)
-    saved = {**meta.get("config", {}), **meta.get("settings", {})}
+    saved = {**_checkpoint.RECORDED_SINCE, **meta.get("config", {}), **meta.get("settings", {})}
     for k, v in saved.items():
         if k not in given:
             setattr(args, k, v)

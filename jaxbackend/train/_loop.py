@@ -43,8 +43,13 @@ parameters, the data and the optimizer state are placed by that plan
 the checkpoint) keep the L blocks' weights as stacked arrays
 (`jb.stack_layers`), and the model's for-loop runs as written: a rolled step
 then takes and returns a few arrays instead of one per layer and weight,
-which is most of XLA's compile time for a deep model (BENCHMARKS.md). It
-changes the checkpoint's layout, so a resume must keep it.
+which is most of the trace and XLA compile time of a deep model
+(BENCHMARKS.md). None (the default) stacks where the step is rolled: a list
+of at least `passes.REROLL_MIN_REPEATS` identical layers; shallower models
+keep per-layer arrays (unrolled, stacked weights would only add a slice per
+layer and weight). The optimizer (AdamW, global-norm clip) treats every
+element alike, so both layouts compute the same numbers. It changes the
+checkpoint's layout, so a resume keeps the recorded choice.
 
 `train` runs five stages over one `_Run` record: `_setup` (checks, corpus,
 model, optimizer), `_shard.place` (devices > 1), `_resume` (optimizer state, from
@@ -69,11 +74,10 @@ import optax
 from flax import nnx
 
 from jaxbackend import nn
-from jaxbackend._stacked import NothingToStack, stack_layers, unstack_layers
+from jaxbackend._stacked import unstack_layers
 from jaxbackend.jit import jit
-from jaxbackend import _scripts
-from jaxbackend.models import GPT, GPTConfig, generate, lm_loss
-from jaxbackend.train import _checkpoint, _data, _plots, _shard
+from jaxbackend.models import GPT, GPTConfig, generate
+from jaxbackend.train import _checkpoint, _data, _model, _plots, _shard
 from jaxbackend.train._progress import Progress, metrics_log
 
 CKPT_NAME = "checkpoints"   # the orbax folder: one sub-folder per kept step
@@ -117,7 +121,9 @@ class TrainConfig:
     accum: int = 1             # micro-batches of `batch` averaged per optimizer step
     clip: float = 1.0          # gradient global-norm clip, 0 = none
     keep: int = 3              # checkpoints kept: the newest `keep` steps
-    stack_layers: bool = False  # params hold the blocks' weights stacked (`jb.stack_layers`)
+    # params hold the blocks' weights stacked (`jb.stack_layers`); None: where
+    # the model has >= passes.REROLL_MIN_REPEATS identical layers (docstring)
+    stack_layers: bool | None = None
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=_data.VOCAB, seq_len=self.seq, n_layers=self.layers,
@@ -216,17 +222,13 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
         _checkpoint.read_meta(ckpt)
     ids, source = _data.load(data, cfg.data, cfg.max_chars)
     train_ids, val_ids = _data.split(ids)
-    model, model_name = _build_model(cfg, model, _data.vocab_size(ids))
+    model, model_name = _model.build(cfg, model, _data.vocab_size(ids))
+    params, loss_fn = nn.functional(model, _model.loss_of(model, loss))
+    params, stacked = _model.arrange(cfg, params, model_name, ckpt)
+    cfg = dataclasses.replace(cfg, stack_layers=stacked)   # the checkpoint records the choice
     identity = {**cfg.model_key(), "model": model_name, "data": _data.fingerprint(ids)}
     if cfg.resume:
         _checkpoint.check_resumable(ckpt, identity)
-    params, loss_fn = nn.functional(model, _loss_of(model, loss))
-    if cfg.stack_layers:
-        try:
-            params = stack_layers(params)
-        except NothingToStack as e:   # name the flag that asked for it
-            raise ValueError(f"stack_layers: {model_name} has no list of >= 2 identical layers "
-                             f"to keep stacked ({e.what}); drop --stack-layers.") from None
     warmup = min(cfg.warmup, cfg.steps - 1)  # optax needs a non-empty cosine phase
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   cfg.lr * 0.1)
@@ -239,35 +241,6 @@ def _setup(cfg: TrainConfig, say, model, loss, data) -> _Run:
                 val_ids=val_ids, baseline=_data.unigram_baseline(train_ids, val_ids),
                 data=jnp.asarray(train_ids), eval_fn=jit(loss_fn),
                 val_batches=_data.eval_batches(val_ids, cfg.batch, cfg.seq, cfg.eval_batches))
-
-
-def _build_model(cfg: TrainConfig, model, vocab: int) -> tuple:
-    """(the module, the name a checkpoint records for it)."""
-    if model is None and cfg.model is not None:
-        model = _scripts.load_callable(cfg.model, "model factory")[1]
-    if model is None:
-        return GPT(dataclasses.replace(cfg.model_config(), vocab_size=vocab),
-                   dtype=None if cfg.dtype == "float32" else cfg.compute_dtype(),
-                   rngs=nnx.Rngs(cfg.seed)), "GPT"
-    if cfg.dtype != "float32":
-        raise ValueError(f"dtype={cfg.dtype!r} sets the built-in GPT's compute dtype; your model "
-                         f"sets its own (e.g. jaxbackend.nn layers' dtype=), so leave dtype unset.")
-    if not isinstance(model, nnx.Module):
-        factory, model = model, model(vocab_size=vocab, seq_len=cfg.seq, rngs=nnx.Rngs(cfg.seed))
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"the model factory {getattr(factory, '__name__', factory)} returned "
-                            f"{type(model).__name__}; it must return an nnx.Module.")
-    return model, cfg.model or type(model).__qualname__
-
-
-def _loss_of(model: nnx.Module, loss):
-    """`loss(model, tokens, targets)`: the given one, the model's method, or
-    cross entropy of the model's logits."""
-    if loss is not None:
-        return loss
-    if callable(getattr(model, "loss", None)):
-        return lambda m, x, y: m.loss(x, y)
-    return lambda m, x, y: lm_loss(m(x), y)
 
 
 def _resume(run: _Run) -> None:
@@ -318,8 +291,8 @@ def _loop(run: _Run, step_fn, bar: Progress, saver: _checkpoint.Checkpointer, on
              if isinstance(run.model, GPT) else run.identity["model"])
     say(f"corpus: {len(run.ids):,} tokens of {run.source} ({len(run.train_ids):,} train / "
         f"{len(run.val_ids):,} val); model: {shape}, "
-        f"{sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params; compiled with "
-        f"{JIT_NAME}")
+        f"{sum(np.size(p) for p in jax.tree.leaves(run.params)):,} params"
+        f"{' (layers stacked)' if cfg.stack_layers else ''}; compiled with {JIT_NAME}")
     say(f"unigram baseline (val cross entropy of char frequencies): {run.baseline:.4f} nats/char")
     tokens = cfg.batch * cfg.seq * cfg.accum
     metrics = metrics_log(pathlib.Path(cfg.out) / METRICS_NAME, run.start)

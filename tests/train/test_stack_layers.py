@@ -1,6 +1,7 @@
 """`--stack-layers` (`TrainConfig.stack_layers`): the training run keeps the
 blocks' weights, optimizer state and checkpoint stacked (`jb.stack_layers`)
-and computes what the per-layer run computes; a resume must keep it."""
+and computes what the per-layer run computes; by default from
+`REROLL_MIN_REPEATS` layers; a resume keeps the recorded choice."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,9 @@ from flax import nnx
 import jaxbackend as jb
 from jaxbackend import nn
 from jaxbackend.models import GPT
+from jaxbackend.passes import REROLL_MIN_REPEATS
 from jaxbackend.testing import abs_scale, assert_close
-from jaxbackend.train import CheckpointError, TrainConfig, _cli, _data, train
+from jaxbackend.train import CheckpointError, TrainConfig, _checkpoint, _cli, _data, train
 
 SMALL = dict(batch=4, seq=32, layers=2, embd=32, heads=2, max_chars=200_000, eval_batches=2,
              sample_chars=0, warmup=5, quiet=True, clip=0)
@@ -51,9 +53,38 @@ def test_stacked_training_computes_the_per_layer_runs_losses(tmp_path, devices):
 def test_a_resume_must_keep_stack_layers(tmp_path):
     train(_cfg(tmp_path, stack_layers=True), log=lambda s: None)
     with pytest.raises(CheckpointError, match="stack_layers=True \\(checkpoint\\) vs False"):
-        train(_cfg(tmp_path, steps=3, resume=True), log=lambda s: None)
-    r = train(_cfg(tmp_path, steps=3, resume=True, stack_layers=True), log=lambda s: None)
+        train(_cfg(tmp_path, steps=3, resume=True, stack_layers=False), log=lambda s: None)
+    r = train(_cfg(tmp_path, steps=3, resume=True), log=lambda s: None)   # None: as recorded
     assert len(r["history"]) == 3 and isinstance(r["params"]["blocks"], jb.Stacked)
+
+
+@pytest.mark.parametrize("layers", [2, REROLL_MIN_REPEATS])
+def test_by_default_layers_are_stacked_where_the_step_rolls(tmp_path, layers):
+    r = train(_cfg(tmp_path, steps=1, layers=layers), log=lambda s: None)
+    deep = layers >= REROLL_MIN_REPEATS
+    assert isinstance(r["params"]["blocks"], jb.Stacked) == deep
+    assert _checkpoint.recorded(tmp_path / "run" / "checkpoints", "stack_layers") is deep
+
+
+def test_a_checkpoint_from_before_the_setting_resumes_per_layer(tmp_path, monkeypatch):
+    """Checkpoints written before `stack_layers` was recorded were per-layer:
+    a deep model's resume (CLI or `train`) keeps them per-layer."""
+    cfg = _cfg(tmp_path, layers=REROLL_MIN_REPEATS, stack_layers=False)
+    train(cfg, log=lambda s: None)
+    ckpt = tmp_path / "run" / "checkpoints"
+    read = _checkpoint.read_meta
+
+    def old_meta(*a, **kw):   # the checkpoint as an older version wrote it
+        meta = read(*a, **kw)
+        meta["config"].pop("stack_layers")
+        meta["settings"].pop("stack_layers")
+        return meta
+    monkeypatch.setattr(_checkpoint, "read_meta", old_meta)
+    assert _checkpoint.recorded(ckpt, "stack_layers") is False
+    args = _cli.parse(["--resume", "--out", str(tmp_path / "run")])
+    assert args.stack_layers is False
+    r = train(_cfg(tmp_path, layers=REROLL_MIN_REPEATS, steps=3, resume=True), log=lambda s: None)
+    assert len(r["history"]) == 3 and not isinstance(r["params"]["blocks"], jb.Stacked)
 
 
 def test_stack_layers_on_a_one_layer_model_is_one_clear_error(tmp_path, capsys):
