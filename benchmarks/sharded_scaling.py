@@ -36,9 +36,15 @@ later one also asks for:
 * `levanter`: Levanter's default mapping (batch and parameter `embed` on
   data) with its documented tensor-parallel axes (mlp, heads) on model.
 
+`--model llama` runs both sections on a LLaMA-style variant of the same GPT
+(rotary positions, RMSNorm, SwiGLU MLP, no biases, 8 heads over 4 key/value
+heads, vocab 256, batch 32) into sections of their own; its hand rule sets
+put the key/value heads (`kv_head`) where they put `head`.
+
 Run: `python benchmarks/sharded_scaling.py` (both sections; `--section depth`
 or `plans` for one, `--plan-layers 8` for the plans section at one depth,
-`--quick` for a smoke run that writes nothing).
+`--model llama` for the LLaMA-style model, `--quick` for a smoke run that
+writes nothing).
 """
 
 from __future__ import annotations
@@ -66,8 +72,12 @@ HAND_RULES = {
 WARNING = "Involuntary full rematerialization"
 
 
-def for_mesh(rules: dict, axes: tuple) -> dict:
-    """The rules on a mesh with these axis names (axes it lacks dropped)."""
+def for_mesh(rules: dict, axes: tuple, arch: str = "gpt") -> dict:
+    """The rules on a mesh with these axis names (axes it lacks dropped); for
+    the LLaMA-style model its grouped key/value heads (`kv_head`) go where
+    `head` goes, as in MaxText's and Levanter's rules."""
+    if arch == "llama" and "head" in rules:
+        rules = dict(rules, kv_head=rules["head"])
     out = {}
     for dim, a in rules.items():
         keep = tuple(x for x in ((a,) if isinstance(a, str) else a) if x in axes)
@@ -78,7 +88,15 @@ def for_mesh(rules: dict, axes: tuple) -> dict:
 
 # --- one point, in its own process --------------------------------------------
 
-def _setup(layers: int, embd: int, heads: int, seq: int, batch: int):
+MODELS = {   # GPTConfig fields beyond depth and width, per --model (dims["arch"])
+    "gpt": dict(vocab_size=128),
+    "llama": dict(vocab_size=256, activation="swiglu", norm="rmsnorm",
+                  rotary=True, use_bias=False),
+}
+
+
+def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str = "gpt",
+           kv_heads: int | None = None):
     import jax
     import jax.numpy as jnp
     import optax
@@ -87,7 +105,8 @@ def _setup(layers: int, embd: int, heads: int, seq: int, batch: int):
     from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layers=layers, embd=embd, heads=heads)
+    extra = dict(MODELS[arch], **({"kv_heads": kv_heads} if kv_heads else {}))
+    cfg = GPTConfig(seq_len=seq, n_layers=layers, embd=embd, heads=heads, **extra)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     tx = optax.adamw(1e-3)
@@ -97,7 +116,7 @@ def _setup(layers: int, embd: int, heads: int, seq: int, batch: int):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    x = jax.random.randint(jax.random.key(1), (batch, seq), 0, 128, jnp.int32)
+    x = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
     return model, params, tx, step, x, jnp.roll(x, -1, axis=1)
 
 
@@ -119,7 +138,7 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         opt_state = tx.init(params)
         compiled = jb.jit(step).lower(params, opt_state, x, y).compile()
     elif kind == "hand":        # plain jax.jit on inputs placed by the rules (unrolled)
-        rules = for_mesh(HAND_RULES[rules_name], names)
+        rules = for_mesh(HAND_RULES[rules_name], names, dims.get("arch", "gpt"))
         specs = nn.partition_specs(nnx.state(model, nnx.Param), rules)
         leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
         placed = jax.tree.unflatten(jax.tree.structure(params),
@@ -133,7 +152,8 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     else:                       # jb.jit(mesh=): searched ("search") or given rules, per-layer
                                 # or stacked params
         opt_state = tx.init(params)
-        rules = None if rules_name == "search" else for_mesh(HAND_RULES[rules_name], names)
+        rules = (None if rules_name == "search"
+                 else for_mesh(HAND_RULES[rules_name], names, dims.get("arch", "gpt")))
         f = jb.jit(step, mesh=mesh, rules=rules)
         compiled = f.lower(params, opt_state, x, y).compile()
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}   # planned by the trace
@@ -250,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, no BENCHMARKS.md")
     ap.add_argument("--plan-layers", type=int, nargs="+", default=[8, 32],
                     help="depths of the plans section (default: 8 32)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                    help="gpt: the library GPT (learned positions, layernorm, gelu); llama: "
+                         "rotary, rmsnorm, swiglu, no bias, grouped key/value heads")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -261,31 +284,38 @@ def main(argv=None) -> int:
         _child(a)
         return 0
     dims = dict(embd=128, heads=4, seq=256, batch=64)
+    if a.model == "llama":
+        dims = dict(embd=128, heads=8, kv_heads=4, seq=256, batch=32, arch="llama")
     depths, plan_depths, meshes = [4, 8, 16, 32], a.plan_layers, [(8,), (2, 4), (4, 2)]
     if a.quick:
-        dims = dict(embd=32, heads=4, seq=16, batch=8)
+        dims = dict(dims, embd=32, seq=16, batch=8)
         depths, plan_depths, meshes, a.repeat = [2, 4], [2], [(2, 4)], 1
     from benchmarks import _report
 
+    what = {"gpt": "GPT", "llama": "LLaMA-style GPT (rotary, rmsnorm, swiglu, no bias)"}[a.model]
+    heads = f"{dims['heads']} heads" + (f", {dims['kv_heads']} key/value heads"
+                                         if dims.get("kv_heads") else "")
+    suffix, title = ("", "") if a.model == "gpt" else ("-" + a.model, f" ({a.model})")
+
     if a.section in ("depth", "all"):
         rows, med = depth_table(depths, a.repeat, dims)
-        body = [f"GPT training step (AdamW), embd {dims['embd']}, {dims['heads']} heads, seq "
+        body = [f"{what} training step (AdamW), embd {dims['embd']}, {heads}, seq "
                 f"{dims['seq']}, batch {dims['batch']}; trace + passes + search + lower + compile "
                 f"seconds on a (2, 4) mesh of 8 simulated CPU devices, median of {a.repeat} "
                 f"processes:", "", *rows, "", "Targets:", *verdicts(med, depths, [])]
         print("\n".join(body))
         if not a.quick:
-            _report.write_section("sharded-scaling-depth", "Sharding at scale: compile time vs "
-                                  "depth under a mesh", "\n".join(body))
+            _report.write_section("sharded-scaling-depth" + suffix, "Sharding at scale: compile "
+                                  "time vs depth under a mesh" + title, "\n".join(body))
     if a.section in ("plans", "all"):
         rows, found = plans_table(plan_depths, meshes, dims)
-        body = [f"GPT training step (AdamW), embd {dims['embd']}, {dims['heads']} heads, seq "
+        body = [f"{what} training step (AdamW), embd {dims['embd']}, {heads}, seq "
                 f"{dims['seq']}, batch {dims['batch']}; collectives and memory per device from "
                 f"the compiled HLO:", "", *rows, "", "Targets:", *verdicts({}, depths, found)]
         print("\n".join(body))
         if not a.quick:
-            _report.write_section("sharded-scaling-plans", "Sharding at scale: searched plans vs "
-                                  "hand rule sets", "\n".join(body))
+            _report.write_section("sharded-scaling-plans" + suffix, "Sharding at scale: searched "
+                                  "plans vs hand rule sets" + title, "\n".join(body))
     return 0
 
 

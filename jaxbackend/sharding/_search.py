@@ -46,11 +46,14 @@ TIME_LIMIT = 10.0            # seconds before the branch and bound gives way to 
 # its roofline compute is good to a few percent (it does not see XLA's
 # fusion and copy decisions), its collectives are what XLA emits to within
 # bytes, and collectives cannot overlap compute or each other here, so among
-# tied plans the search takes the least communication. Without it, the GPT
-# AdamW step on a (2, 4) mesh sharded MLP weights to save 0.2% of modelled
-# compute (the replicated optimizer update) for 6x data parallel's
-# collective bytes.
-TOLERANCE = 0.01
+# tied plans the search takes the least communication. The trade it guards
+# against is sharding weights to split the (replicated) optimizer update, a
+# small share of the step, for gathers in every layer: the GPT AdamW step on
+# a (2, 4) mesh did it to save 0.2% of modelled compute for 6x data
+# parallel's collective bytes; the LLaMA-style step (swiglu: three MLP
+# weights per layer) to save 1.3% for 2.9x. 3% puts both in the tie; ZeRO-
+# style sharding still wins where memory requires it or saves more.
+TOLERANCE = 0.03
 
 
 def planned_keys(cm) -> set:
