@@ -45,7 +45,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.par
 from benchmarks import _report  # noqa: E402
 from jaxbackend import named as nx  # noqa: E402
 from jaxbackend import sharding  # noqa: E402
-from jaxbackend.sharding import _cost, _graph, _plan, _search  # noqa: E402
+from jaxbackend.sharding import _cost, _plan, _search, _walk  # noqa: E402
 
 SEQ = 8192
 GB = 1e9
@@ -160,7 +160,7 @@ def case(cfg: Llama, shape, names, *, seq=SEQ, stacked=True, reference=True):
     # a fresh function each run: make_jaxpr caches traces by function
     closed, out_shape = jax.make_jaxpr(lambda *a: train_step(*a), return_shape=True)(*args)
     t1 = time.perf_counter()
-    graph = _graph.build(closed, _plan.dims_of(args), _plan.dims_of(out_shape))
+    graph = _walk.build(closed, _plan.dims_of(args), _plan.dims_of(out_shape))
     spec = sharding.MeshSpec.from_mesh(sharding.abstract_mesh(shape, names), "h100")
     cm = _cost.CostModel(graph, spec)
     t2 = time.perf_counter()

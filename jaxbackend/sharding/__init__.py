@@ -11,9 +11,10 @@ alpha-beta collectives and per-device memory:
     f = jb.jit(step, mesh=mesh)                        # plan at trace time, compile
     f = jb.jit(step, mesh=mesh, rules={"batch": "data"})   # or given rules (or a plan)
 
-Stages: `_mesh` (MeshSpec, HardwareProfile) -> `_graph` (jaxpr -> a frozen
-graph of ops over dim classes, union-find through unnamed code; the
-per-primitive dim rules of `_op_dims` register into its table) -> `_cost`
+Stages: `_mesh` (MeshSpec, HardwareProfile) -> `_graph` (a frozen graph of
+ops over dim classes, union-find through unnamed code; `_walk` builds it from
+the jaxpr, the per-primitive dim rules of `_op_dims` register into its
+table) -> `_cost`
 (CostModel; `_liveness` for memory, `_op_facts` for bytes moved and
 combined all-reduces, `_ring` the collective formulas,
 `_breakdown` the Cost value) -> `_search` (exact search; `_tables`,
@@ -27,7 +28,7 @@ from jaxbackend.sharding._axis_rules import Rules as Rules
 from jaxbackend.sharding._axis_rules import normalize as normalize_rules
 from jaxbackend.sharding._axis_rules import spec_for_dims as spec_for_dims
 from jaxbackend.sharding._cost import CostModel as CostModel
-from jaxbackend.sharding._graph import build as build_graph
+from jaxbackend.sharding._walk import build as build_graph
 from jaxbackend.sharding._hlo import collectives as hlo_collectives
 from jaxbackend.sharding._hlo import memory as hlo_memory
 from jaxbackend.sharding._mesh import (

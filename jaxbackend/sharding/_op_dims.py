@@ -2,8 +2,8 @@
 dim, and the equation's iteration space for the cost model.
 
 Each function here is the dim rule of its primitives, registered into the
-table `_graph` owns (`_graph.register`); `_graph.build` imports this module
-once. Precondition: called by `_graph._walk` once per non-call equation as
+table `_graph` owns (`_graph.register`); `_walk.build` imports this module
+once. Precondition: called by `_walk._walk` once per non-call equation as
 `rule(g, eqn, ins, outs, mult)`, `g` the `_graph.Builder`, `ins` the graph
 ids of the operands (None for literals), `outs` fresh ids for the results.
 Each rule unifies positions in the builder's union-find and appends one

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import _html, _jax
 from jaxbackend.named import NamedArray
-from jaxbackend.sharding import _axis_rules, _graph, _search
+from jaxbackend.sharding import _axis_rules, _search, _walk
 from jaxbackend.sharding._cost import KINDS, CostModel
 from jaxbackend.sharding._mesh import MeshSpec
 
@@ -72,7 +72,7 @@ def trace(fn, *args, transform=None):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if transform is not None:
         closed = transform(closed)
-    graph = _graph.build(closed, dims_of(args), dims_of(out_shape), paths_of((args, {})))
+    graph = _walk.build(closed, dims_of(args), dims_of(out_shape), paths_of((args, {})))
     return closed, graph, jax.tree.structure(args), jax.tree.structure(out_shape)
 
 
@@ -128,7 +128,7 @@ class Plan:
     def contraction_specs(self) -> dict:
         """{contraction equation of `closed`, in scan bodies too: its result's
         layout}. A body's equation gets its per-iteration layout (the stacked
-        layer dim of a rolled program is never sharded: `_graph._scan`)."""
+        layer dim of a rolled program is never sharded: `_walk._scan`)."""
         env, out = self.model.g.env, {}
         stack = [self.closed.jaxpr]
         while stack:
@@ -217,7 +217,7 @@ def plan_jaxpr(closed, in_dims, out_dims, in_tree, out_tree, *, mesh, rules=None
     `in_paths`: per flat input, its `paths_of` (names unnamed dims);
     `donated`: per flat input, True where its buffer is donated (results
     may reuse it: the memory model and budget count that)."""
-    return _planned(closed, _graph.build(closed, in_dims, out_dims, in_paths), in_tree, out_tree,
+    return _planned(closed, _walk.build(closed, in_dims, out_dims, in_paths), in_tree, out_tree,
                     mesh, rules, memory_budget, profile, donated)
 
 

@@ -142,5 +142,6 @@ def _exhaustive(tab, budget, tolerance):
         no_plan_fits(least, budget)
     least = float(flat[order[pos]])
     near = order[pos:np.searchsorted(flat[order], least * (1 + tolerance) * (1 + 1e-12), "right")]
-    idx, t, mem = least_comm(tab, np.array(np.unravel_index(near, tab.shape)), budget, least, tolerance)
+    idx, t, mem = least_comm(tab, np.array(np.unravel_index(near, tab.shape)), budget, least,
+                             tolerance, flat[near])
     return idx, dict(method="exhaustive", optimal=True, rank=pos, time=t, least_time=least, memory=mem)

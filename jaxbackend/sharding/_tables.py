@@ -188,12 +188,13 @@ def best_of(tab, idx, budget):
     return idx[:, pos], float(times[pos]), mem, least
 
 
-def least_comm(tab, idx, budget, best_time, tolerance):
+def least_comm(tab, idx, budget, best_time, tolerance, times=None):
     """Among plans `idx` whose time is within `tolerance` (relative) of
     `best_time` and that fit the budget: the one with the least modelled
     communication, ties by time, then grid order. (plan, time, memory), or
-    Nones if none fits."""
-    times = tab.time_at(idx)
+    Nones if none fits. `times`: the plans' times where the caller has them
+    (the exhaustive search's grid), else read from the tables."""
+    times = tab.time_at(idx) if times is None else times
     near = times <= best_time * (1 + tolerance) * (1 + 1e-12)
     idx, times = idx[:, near], times[near]
     if idx.shape[1] == 0:

@@ -16,7 +16,7 @@ re-running the trace, the passes or the search.)
 
 With `--stack-layers` the blocks' parameters are stacked arrays
 (`jb.stack_layers`) and the search plans the step over them, the stacked
-`layers` dim unsharded (`sharding._graph`).
+`layers` dim unsharded (`sharding._walk`).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_branch_and_bound_matches_brute_force(graphs, shape, frac):
 def low_grid_limit():
     """GRID_LIMIT lowered to 2**22, under the tiny LLaMA's grid. Its (2, 2, 2)
     grid was ~3e7 plans; scan layer axes are no search keys any more
-    (`_graph._scan`: never sharded), which leaves 7.3e6, under the real
+    (`_walk._scan`: never sharded), which leaves 7.3e6, under the real
     limit. What these tests check, a grid over the limit searched exactly by
     the branch and bound, does not depend on the limit's value."""
     with pytest.MonkeyPatch.context() as mp:
