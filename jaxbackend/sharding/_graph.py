@@ -9,9 +9,9 @@ array axis is an instance of a *dim class*. It leaves the jaxpr alone (read
 only).
 
 Dim classes come from a union-find over (variable, axis) positions, kept by
-a `Builder` while `_walk.build` walks the jaxpr (the walk, and how it treats
-scans, whiles, conds and calls, is that module's). Which axes of an equation are the
-same dim is the primitive's *dim rule*: this module owns the table
+a `Builder` while `_walk.build` walks the jaxpr (the walk, and how it
+treats scans, whiles, conds and calls, is that module's). Which axes of an
+equation are the same dim is the primitive's *dim rule*: this module owns the table
 (`register`, JAX's registry pattern) and `_op_dims` fills it: elementwise
 ops unify equal-sized aligned axes, `transpose`, `broadcast_in_dim`,
 reductions, `squeeze`, `concatenate` map axes, `dot_general` unifies each
