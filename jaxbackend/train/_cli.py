@@ -145,7 +145,7 @@ def parser(*, given_only: bool = False) -> argparse.ArgumentParser:
                    help="simulated CPU devices (N > 1: data mesh + sharding plan)")
     p.add_argument("--stack-layers", action=argparse.BooleanOptionalAction,
                    help="keep the blocks' weights (and optimizer state, checkpoint) as stacked "
-                        "arrays: compile time flat in --layers; a resume keeps it. None: "
+                        "arrays: compile time flat in --layers; a resume keeps it. Default: "
                         f"stacked from {REROLL_MIN_REPEATS} identical layers (the step is rolled)")
     p.add_argument("--tiny", action="store_true", help=f"small defaults for tests: {tiny}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
