@@ -142,6 +142,7 @@ class Builder:
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
+        self.stack_parts: dict = {}    # var -> equal-shaped operands concatenated on axis 0
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int) -> int:

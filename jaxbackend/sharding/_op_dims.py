@@ -149,7 +149,23 @@ def _reshape(g, eqn, ins, outs, mult):
         m[gi[0]] = gj[0]
         for a in gi[1:]:
             m[a] = REPLICATED
+    _unstack_split(g, v, out)
     _map_op(g, [(v, tuple(m))], out, mult, flops=0, bitcast=True)
+
+
+def _unstack_split(g, v, out) -> None:
+    """`v` = concatenate(parts, 0) of n parts of one shape s, reshaped to
+    (n,) + s: that is jnp.stack(parts) (`reroll` stacks per-layer weights
+    this way, `passes._stacks.stack`), so out[i, j, ...] = parts[i][j, ...]:
+    each part's axis a is out's axis a + 1. The concatenate rule unified the
+    other axes already; axis 0 it could not (a part's s[0] rows are not the
+    result's n * s[0]), and without this the per-layer weights' first dim
+    was a key of its own, unknown to the scan body's names (a 32-layer step
+    searched 6 such keys more: 4096x the grid)."""
+    parts = g.stack_parts.get(v)
+    if parts and g.shapes[out] == (len(parts),) + g.shapes[parts[0]]:
+        for w in parts:
+            g.union(w, 0, out, 1)
 
 
 @register(*_REDUCTIONS)
@@ -273,6 +289,8 @@ def _scatter_add(g, eqn, ins, outs, mult):
 @register("concatenate")
 def _concatenate(g, eqn, ins, outs, mult):
     out, dim = outs[0], _jax.concatenate_dimension(eqn)
+    if dim == 0 and None not in ins and len({g.shapes[v] for v in ins}) == 1 and g.shapes[out]:
+        g.stack_parts[out] = list(ins)   # a stack, if a reshape splits it (`_unstack_split`)
     maps = []
     for v in ins:
         if v is None:

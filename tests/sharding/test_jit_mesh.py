@@ -227,6 +227,23 @@ def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh, rolled_gpt)
                          what="sharded rolled AdamW step")
 
 
+def test_rolled_per_layer_weights_share_the_scan_bodys_dims(mesh, rolled_gpt):
+    # reroll stacks per-layer weights as concatenate + reshape; each layer's
+    # weight axes are the body's named dims, not keys of their own
+    # (the same searched keys as the stacked weights' step)
+    from jaxbackend.sharding import _search
+
+    vg, args, _, _ = rolled_gpt
+    searched = {}
+    for how, params in (("per layer", args[0]), ("stacked", jb.stack_layers(args[0]))):
+        f = jb.jit(vg, mesh=mesh)
+        f.lower(params, *args[1:])
+        cm = f.plan.model
+        searched[how] = {cm.g.key_names[k] for k in _search.search_space(cm)[0]}
+    assert not [n for n in searched["per layer"] if n.startswith("args[0]['blocks']")], searched
+    assert searched["per layer"] == searched["stacked"]
+
+
 def test_plan_names_every_dim_after_where_it_comes_from(mesh):
     vg, args = _gpt_step(2)
     plan = sharding.plan(vg, *args, mesh=mesh)
