@@ -72,11 +72,11 @@ HAND_RULES = {
 WARNING = "Involuntary full rematerialization"
 
 
-def for_mesh(rules: dict, axes: tuple, arch: str = "gpt") -> dict:
-    """The rules on a mesh with these axis names (axes it lacks dropped); for
-    the LLaMA-style model its grouped key/value heads (`kv_head`) go where
+def for_mesh(rules: dict, axes: tuple, grouped_kv: bool = False) -> dict:
+    """The rules on a mesh with these axis names (axes it lacks dropped); with
+    grouped key/value heads (the attention's `kv_head` dim) those go where
     `head` goes, as in MaxText's and Levanter's rules."""
-    if arch == "llama" and "head" in rules:
+    if grouped_kv and "head" in rules:
         rules = dict(rules, kv_head=rules["head"])
     out = {}
     for dim, a in rules.items():
@@ -105,8 +105,8 @@ def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str =
     from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
 
-    extra = dict(MODELS[arch], **({"kv_heads": kv_heads} if kv_heads else {}))
-    cfg = GPTConfig(seq_len=seq, n_layers=layers, embd=embd, heads=heads, **extra)
+    cfg = GPTConfig(seq_len=seq, n_layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
+                    **MODELS[arch])
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     tx = optax.adamw(1e-3)
@@ -132,13 +132,14 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         params = jb.stack_layers(params)
     names = ("data", "model")[:len(mesh_shape)]
     mesh = sharding.auto_mesh(mesh_shape, names)
+    rules = (None if rules_name == "search"
+             else for_mesh(HAND_RULES[rules_name], names, grouped_kv=bool(dims.get("kv_heads"))))
     out: dict = {}
     t0 = time.perf_counter()
     if kind == "rolled":        # one device, no mesh: the pass pipeline rolls the layers
         opt_state = tx.init(params)
         compiled = jb.jit(step).lower(params, opt_state, x, y).compile()
     elif kind == "hand":        # plain jax.jit on inputs placed by the rules (unrolled)
-        rules = for_mesh(HAND_RULES[rules_name], names, dims.get("arch", "gpt"))
         specs = nn.partition_specs(nnx.state(model, nnx.Param), rules)
         leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
         placed = jax.tree.unflatten(jax.tree.structure(params),
@@ -152,8 +153,6 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     else:                       # jb.jit(mesh=): searched ("search") or given rules, per-layer
                                 # or stacked params
         opt_state = tx.init(params)
-        rules = (None if rules_name == "search"
-                 else for_mesh(HAND_RULES[rules_name], names, dims.get("arch", "gpt")))
         f = jb.jit(step, mesh=mesh, rules=rules)
         compiled = f.lower(params, opt_state, x, y).compile()
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}   # planned by the trace
