@@ -197,6 +197,27 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
     return {k: fam for fam in families if fam.ok for k in fam.members.values()}
 
 
+def hold_inputs(walk, eqns, vector: dict) -> None:
+    """Before the tail: stack now the per-member inputs of the applied
+    families that are defined before it (the optimizer moments: program
+    inputs), and hold every short stack the families read (`Walk.held`) by
+    one loop, not one loop each (`_stacks.hold`)."""
+    made_in_tail = {o for e in eqns for o in e.outvars}
+    wanted: dict = {}
+    for fam in sorted({id(f): f for f in vector.values()}.values(), key=lambda f: f.last):
+        members = [eqns[fam.members[i]] for i in range(len(fam.members))]
+        for p, kind in enumerate(fam.kinds):
+            if fam.shared[p]:
+                continue
+            if kind[0] == "s":
+                wanted[walk.stacks[kind[1]]] = None
+            elif kind[0] == "o":
+                vs = [m.invars[p] for m in members]
+                if not any(v in made_in_tail for v in vs):
+                    wanted[walk.stack_inputs(vs, reverse=False)] = None
+    walk.hold_all([a for a in wanted if walk.held(a, now=False) is None])
+
+
 def emit(walk, fam):
     """Emit `fam` into `walk` (a `_reroll_walk.Walk`) as one equation on stacks;
     entry i of its result is member i's result, which later readers index
@@ -216,7 +237,7 @@ def emit(walk, fam):
             if kind[0] == "s":
                 arr = walk.held(walk.stacks[kind[1]])
             elif kind[0] == "f":
-                arr = walk.family_out[kind[1:]]
+                arr = walk.stacks[walk.family_out[kind[1:]]]
             else:              # distinct per member: stacked (a copy), or an earlier stack
                 arr = walk.held(walk.stack_inputs([m.invars[p] for m in members], reverse=False))
             if not aval.ndim and out_shape:   # a per-member scalar next to arrays
@@ -227,15 +248,16 @@ def emit(walk, fam):
         params = _jax.reduce_params(e0, [a + 1 for a in _jax.reduce_axes(e0)])
     outs = walk.b.bind(e0.primitive, args, **params)
     for k, out in enumerate(outs):
-        if fam.read_out[k]:
+        sid = walk.register(out, [m.outvars[k] for m in members])
+        walk.family_out[(id(fam), k)] = sid
+        if fam.read_out[k] and out.aval.size:
             # entries read out (program outputs: the new weights and moments)
-            # come from one materialised stack (`_stacks.hold`), which later
-            # families read too: the loop's input then has no reader after
-            # it, so XLA needs no copy of it
-            if out.aval.size:
-                out = walk.hold(out)
-        walk.family_out[(id(fam), k)] = out
-        walk.register(out, [m.outvars[k] for m in members])
+            # come from a materialised stack: held, with every stack pending
+            # then, by one loop before the first entry is read
+            # (`Walk.hold_later`); families emitted after that read the held
+            # stack, so the loop's input has no reader after it and XLA
+            # needs no copy of it
+            walk.hold_later(sid)
     walk.stats.vectorized += 1
     walk.stats.vectorized_eqns += n
 

@@ -53,6 +53,7 @@ class Walk:
         self.family_out = {}  # (id(family), output k) -> atom of the stacked result
         self.concatenated = set()   # atoms of the stacks this walk concatenated
         self.held_stacks = {}       # such a stack -> its `held` atom
+        self.pending_holds = {}     # stack ids to hold before their entries are read (ordered)
 
     def kept(self):
         """Yield (position, equation) for each equation outside runs, in
@@ -70,6 +71,7 @@ class Walk:
                     self.vector = _reroll_vector.plan(
                         eqns[i:], self.stacked, {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
                         self.min_repeats, self.jaxpr.outvars)
+                    _reroll_vector.hold_inputs(self, eqns[i:], self.vector)
 
     def vectorized(self, pos: int) -> bool:
         """Whether equation `pos` is a member of an applied family (its
@@ -160,6 +162,8 @@ class Walk:
         """Entry idx of stack sid as an atom: one dynamic_slice at an opaque
         offset (see `_stacks.opaque_indices`) and a reshape (a bitcast), so every
         read of one shape is the same XLA kernel."""
+        if sid in self.pending_holds:
+            self._hold_pending()
         arr = self.stacks[sid]
         if not arr.aval.size:   # nothing to read, nor to compile: a static slice
             return self.b.emit(lambda a: lax.index_in_dim(a, idx, keepdims=False), [arr],
@@ -168,7 +172,7 @@ class Walk:
                            key="reroll.unstack")
         return out
 
-    def held(self, arr):
+    def held(self, arr, now: bool = True):
         """`arr` for a vectorised family to read: a stack this walk
         concatenated from at most `_stacks.CONCAT_FUSES_UP_TO` entries goes
         through `_stacks.hold` (once), else XLA fuses the concatenate into
@@ -179,12 +183,32 @@ class Walk:
                 or arr.aval.shape[0] > _stacks.CONCAT_FUSES_UP_TO):
             return arr
         if arr not in self.held_stacks:
-            self.held_stacks[arr] = self.hold(arr)
+            if not now:
+                return None        # to be held (`hold_all`)
+            self.hold_all([arr])
         return self.held_stacks[arr]
 
-    def hold(self, arr):
-        """`_stacks.hold(arr)`: arr materialised once, as one new atom."""
-        return self.b.emit(_stacks.hold, [arr, self.opaque_index(0, arr)], key="reroll.hold")[0]
+    def hold_all(self, arrs):
+        """Hold each of `arrs` (`held` then returns the held atom), by one
+        loop (`_stacks.hold`)."""
+        if arrs:
+            held = self.b.emit(lambda *a: _stacks.hold(a[:-1], a[-1]),
+                               list(arrs) + [self.opaque_index(0, arrs[0])],
+                               key="reroll.hold")
+            self.held_stacks.update(zip(arrs, held))
+
+    def hold_later(self, sid):
+        """Stack sid is to be read out held (`_stacks.hold`): by one loop
+        with every stack pending when the first of them is read out."""
+        self.pending_holds[sid] = None
+
+    def _hold_pending(self):
+        sids = list(self.pending_holds)
+        self.pending_holds.clear()
+        arrs = [self.stacks[s] for s in sids]
+        self.hold_all(arrs)
+        for s, a in zip(sids, arrs):
+            self.stacks[s] = self.held_stacks[a]
 
     def opaque_index(self, idx, like):
         """The opaque int32 scalar idx (`_stacks.opaque_indices`), made on
@@ -215,6 +239,7 @@ class Walk:
                 self.stacked.setdefault(v, (sid, idx))
                 if defined:
                     self.env.setdefault(v, v)
+        return sid
 
     def _find_stack(self, vs):
         """(stack id, first index, step) if vs are stack[i0 + step*j]."""

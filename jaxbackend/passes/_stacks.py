@@ -74,38 +74,39 @@ def opaque_indices(n: int, like):
 
 
 @jax.custom_jvp
-def hold(x, zero):
-    """x, materialised once before its entries are read (`unstack_one`).
+def hold(xs: tuple, zero) -> tuple:
+    """xs, each materialised once before its entries are read (`unstack_one`).
 
     Without it XLA fuses the element-wise chain that computed a stack (the
     vectorised optimizer update) into every entry's slice: one larger kernel
     per layer and weight to compile (3 x 1024 at 64 layers, most of the
     compile time). `lax.optimization_barrier` does not stop that on XLA:CPU
     (JAX 0.10: the barrier is expanded away before fusion); a `while` loop
-    does. x goes through a loop that runs `zero` times (an int32 scalar that
-    is 0 at run time but unknown to XLA: `opaque_indices(...)[0]`; a
-    replicated scalar, so no collective under a mesh) and whose body
-    selects x when its counter is 0, so it would return x had it run once.
-    A select moves bits without arithmetic (nothing rounds, no subnormal is
-    flushed, any dtype), so the result is x, bit for bit. Differentiated,
-    it is the identity (`_hold_jvp`): reverse mode cannot go through a
-    `while` loop, and a rolled program is differentiated again when
-    `jax.grad` is applied outside `jb.jit`.
+    does. The xs go through one loop that runs `zero` times (an int32 scalar
+    that is 0 at run time but unknown to XLA: `opaque_indices(...)[0]`; a
+    replicated scalar, so no collective under a mesh) and whose body selects
+    each x when its counter is 0, so it would return xs had it run once. A
+    select moves bits without arithmetic (nothing rounds, no subnormal is
+    flushed, any dtype), so each result is its x, bit for bit. One loop for
+    all the stacks held at one point, because XLA:CPU compiles each loop's
+    compare and counter add as kernels of their own: a loop per stack (96 in
+    an 8-layer per-layer AdamW step) was ~290 kernels. Differentiated, it is
+    the identity (`_hold_jvp`): reverse mode cannot go through a `while`
+    loop, and a rolled program is differentiated again when `jax.grad` is
+    applied outside `jb.jit`.
     """
-    if not x.size:
-        return x
-    fill = jnp.zeros_like(x)
-
     def body(c):
-        return c[0] + 1, lax.select(jnp.broadcast_to(c[0] == 0, x.shape), c[1], fill)
+        first = c[0] == 0
+        return (c[0] + 1,) + tuple(lax.select(jnp.broadcast_to(first, x.shape), x,
+                                              jnp.zeros_like(x)) for x in c[1:])
 
-    return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0), x))[1]
+    return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0),) + tuple(xs))[1:]
 
 
 @hold.defjvp
 def _hold_jvp(primals, tangents):
-    x, zero = primals
-    return hold(x, zero), tangents[0]
+    xs, zero = primals
+    return hold(xs, zero), tangents[0]
 
 
 def corner(x, at: int):

@@ -128,17 +128,18 @@ def test_an_index_mismatch_between_stacks_is_not_merged():
     assert _tail_counts(out)["mul"] >= N
 
 
-def test_hold_returns_its_input_bit_for_bit_whether_its_loop_runs_or_not():
+def test_hold_returns_its_inputs_bit_for_bit_whether_its_loop_runs_or_not():
     from jaxbackend.passes._stacks import hold
     x = jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-45, -3.5], jnp.float32)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-    for trips in (0, 1):   # 0 in the pass; had the body run once, x still
-        got = jax.jit(hold)(x, jnp.int32(trips))
-        assert got.dtype == x.dtype and (bits(got) == bits(x)).all(), trips
-    for x in (jnp.array([-1, 0, 7]), jnp.ones(3, jnp.bfloat16), jnp.array([True, False]),
-              jnp.array([1 + 2j, 3j], jnp.complex64), jnp.zeros((0, 2))):
-        got = jax.jit(hold)(x, jnp.int32(1))
-        assert got.dtype == x.dtype and got.shape == x.shape and (got == x).all()
+    others = (jnp.array([-1, 0, 7]), jnp.ones(3, jnp.bfloat16), jnp.array([True, False]),
+              jnp.array([1 + 2j, 3j], jnp.complex64), jnp.zeros((0, 2)))
+    for trips in (0, 1):   # 0 in the pass; had the body run once, xs still
+        got = jax.jit(hold)((x,) + others, jnp.int32(trips))   # one loop holds them all
+        assert len(got) == 1 + len(others)
+        assert got[0].dtype == x.dtype and (bits(got[0]) == bits(x)).all(), trips
+        for g, o in zip(got[1:], others):
+            assert g.dtype == o.dtype and g.shape == o.shape and (g == o).all(), (trips, o)
 
 
 def test_the_vectorised_update_is_not_recomputed_in_every_entry_read():
@@ -193,6 +194,7 @@ def test_a_rolled_program_with_a_held_stack_is_differentiable():
     # while loop; hold is the identity under AD
     from jaxbackend.passes._stacks import hold
 
-    x = jnp.arange(6.0).reshape(2, 3)
-    g = jax.grad(lambda x: (hold(x, jnp.int32(0)) ** 2).sum())(x)
-    assert (g == 2 * x).all()
+    x, y = jnp.arange(6.0).reshape(2, 3), jnp.arange(2.0)
+    gx, gy = jax.grad(lambda x, y: sum((h ** 2).sum() for h in hold((x, y), jnp.int32(0))),
+                      argnums=(0, 1))(x, y)
+    assert (gx == 2 * x).all() and (gy == 2 * y).all()
