@@ -262,6 +262,10 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
 
     @functools.wraps(fn)  # jax.jit reads fn's name and signature through this
     def body(*args, **kwargs):
+        with _pipeline.paused_gc():   # trace, passes, plan: see paused_gc
+            return traced_body(*args, **kwargs)
+
+    def traced_body(*args, **kwargs):
         if planner is not None:
             donated = _donated_leaves(args, kwargs, static_argnums, static_argnames, *donate)
             static, static_kw, dynamic, dyn_kw = _split_args(args, kwargs, static_argnums,

@@ -42,6 +42,7 @@ after each pass (k=0 is the input).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import numbers
@@ -198,17 +199,28 @@ def run_pipeline(closed, passes: Sequence | None = None, *, keep_jaxprs: bool = 
         (dump_dir / f"{label}.0.input.txt").write_text(str(closed))
     jaxprs = [("input", closed)] if keep_jaxprs else None
     stats: list[PassStat] = []
-    # The passes allocate many small acyclic objects; with the collector on,
-    # each generation-2 sweep walks the whole heap (JAX's included), which
-    # made per-equation cost grow with program size. Collect afterwards.
-    gc_was_enabled = gc.isenabled()
+    with paused_gc():
+        closed = _run(closed, passes, jaxprs, stats, dump_dir, label)
+    return closed, Report(stats, jaxprs)
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Python's cyclic collector off for the block, back on (if it was) after.
+
+    The passes, the sharding plan and a trace allocate many small objects,
+    few of them cyclic garbage; with the collector on, each generation-2
+    sweep walks the whole heap (JAX's included): per-equation cost grew with
+    program size, and one sweep was 0.1 s of the 0.29 s plan of an 8-layer
+    AdamW step. What the block leaves cyclic is collected by the next
+    automatic collection after it."""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
-        closed = _run(closed, passes, jaxprs, stats, dump_dir, label)
+        yield
     finally:
-        if gc_was_enabled:
+        if was_enabled:
             gc.enable()
-    return closed, Report(stats, jaxprs)
 
 
 def _run(closed, passes, jaxprs, stats, dump_dir, label):
