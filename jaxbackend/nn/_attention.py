@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -157,12 +158,25 @@ class MultiHeadAttention(nnx.Module):
             q_pos = nx.arange(q.sizes[self.time], dim=self.time)
             if not isinstance(start, int) or start:
                 q_pos = q_pos + start
-            s = nx.where(q_pos >= nx.arange(k.sizes[tk], dim=tk), s, jnp.finfo(s.dtype).min)
+            s = _causal(s, q_pos >= nx.arange(k.sizes[tk], dim=tk))
         a = self.dropout(cast(nx.softmax(s, dim=tk), v.dtype))
         o = nx.dot(a, v, dim=tk)
         if self.kv_dim != "head":
             o = o.stack(head=("kv_head", "group"))
         return self.out(o)
+
+
+def _causal(s: nx.NamedArray, keep: nx.NamedArray) -> nx.NamedArray:
+    """s where keep (query time x key time), else s's lowest value.
+
+    Under `jax.checkpoint`, so reverse mode keeps `keep` for the backward
+    select, not the mask broadcast to the scores' shape: that was a
+    (batch, head, time, time_k) boolean per layer, which a rolled step
+    stacks as a scan residual (16 MiB a layer at batch 64, 4 heads, 256
+    positions); the backward pass broadcasts it again. Values and gradients
+    are the `nx.where`'s, bit for bit (the same select, forward and back)."""
+    fill = jnp.finfo(s.dtype).min
+    return jax.checkpoint(lambda s, keep: nx.where(keep, s, fill), prevent_cse=False)(s, keep)
 
 
 def _write(buf: nx.NamedArray, new: nx.NamedArray, dim: str, pos) -> nx.NamedArray:

@@ -72,3 +72,31 @@ def test_grouped_query_attention_keeps_head_for_sharding_rules():
     scale = max(float(np.abs(b).max()) for b in jax.tree.leaves(g0))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
         jb.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, what="sharded GQA gradient")
+
+
+def test_reverse_mode_keeps_the_causal_mask_unbroadcast(monkeypatch):
+    # the backward select needs the causal mask; kept broadcast to the
+    # scores' (batch, head, time, time) shape it was a residual per layer
+    # that a rolled step stacked (16 MiB a layer at batch 64, seq 256)
+    import jax.numpy as jnp
+
+    from jaxbackend.nn import _attention
+
+    attn = nn.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
+    x = _x(shape=(3, 6, 16))
+    g = jax.random.normal(jax.random.key(2), (3, 6, 16))
+
+    def run():
+        y, vjp = jax.vjp(lambda v: attn(nx.as_named(v, x.dims)).values, x.values)
+        masks = [r.size for r in jax.tree.leaves(vjp) if r.dtype == bool]
+        return y, vjp(g)[0], masks
+
+    y, dx, masks = run()
+    assert masks and max(masks) <= 6 * 6, masks   # (time, time_k) at most
+    # the plain select: a mask of the scores' size saved; same numbers, bit for bit
+    monkeypatch.setattr(_attention, "_causal",
+                        lambda s, keep: nx.where(keep, s, jnp.finfo(s.dtype).min))
+    y0, dx0, masks0 = run()
+    assert max(masks0) == 3 * 4 * 6 * 6, masks0
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)
