@@ -95,14 +95,22 @@ def test_dce_prunes_scan_outputs_nobody_reads_and_inputs_the_body_ignores():
     assert [v.aval for v in fwd.jaxpr.invars] == [v.aval for v in before.jaxpr.invars]
 
 
-def test_dce_drops_the_dead_residual_a_rolled_gpt_step_stacks():
+def test_dce_drops_the_dead_residual_a_rolled_gpt_step_stacks(monkeypatch):
     # reroll's forward scan stacks, per layer, a broadcast constant that the
     # backward scan never reads; XLA drops it, and so must dce (the sharding
-    # memory model reads the program after dce).
+    # memory model reads the program after dce). The constant is the causal
+    # mask's fill as a plain select saves it; the library's attention now
+    # applies the mask under jax.checkpoint (no such residual), so the plain
+    # select is put back here: a user's own attention may well be written so.
     from flax import nnx
 
+    from jaxbackend import named as nx
     from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
+    from jaxbackend.nn import _attention
+
+    monkeypatch.setattr(_attention, "_causal",
+                        lambda s, keep: nx.where(keep, s, jnp.finfo(s.dtype).min))
 
     model = GPT(GPTConfig(n_layers=4, embd=16, heads=2, seq_len=8), rngs=nnx.Rngs(0))
     params, loss = nn.functional(model, "loss")
