@@ -137,7 +137,9 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     rules = (None if rules_name == "search"
              else for_mesh(HAND_RULES[rules_name], names, grouped_kv=bool(dims.get("kv_heads"))))
     out: dict = {}
-    opt_state = tx.init(params)   # eager AdamW init, before the clock: not compile time
+    # the AdamW state, before the clock (an eager init is not compile time);
+    # the hand column makes it placed like the params, below
+    opt_state = None if kind == "hand" else tx.init(params)
     t0 = time.perf_counter()
     if kind == "rolled":        # one device, no mesh: the pass pipeline rolls the layers
         compiled = jb.jit(step).lower(params, opt_state, x, y).compile()
@@ -149,7 +151,7 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         params = jax.device_put(params, placed)
         batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules.get("batch")))
         x, y = jax.device_put(x, batch), jax.device_put(y, batch)
-        opt_state = jax.jit(tx.init)(params)   # placed like the params
+        opt_state = jax.jit(tx.init)(params)
         t0 = time.perf_counter()   # placement is not compile time
         compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
     else:                       # jb.jit(mesh=): searched ("search") or given rules, per-layer
