@@ -207,15 +207,19 @@ def hold_inputs(walk, eqns, vector: dict) -> None:
     for fam in sorted({id(f): f for f in vector.values()}.values(), key=lambda f: f.last):
         members = [eqns[fam.members[i]] for i in range(len(fam.members))]
         for p, kind in enumerate(fam.kinds):
-            if fam.shared[p]:
+            if fam.shared[p] or kind[0] == "f":
                 continue
-            if kind[0] == "s":
-                wanted[walk.stacks[kind[1]]] = None
-            elif kind[0] == "o":
-                vs = [m.invars[p] for m in members]
-                if not any(v in made_in_tail for v in vs):
-                    wanted[walk.stack_inputs(vs, reverse=False)] = None
-    walk.hold_all([a for a in wanted if walk.held(a, now=False) is None])
+            atoms = [m.invars[p] for m in members]
+            if kind[0] == "o" and any(v in made_in_tail for v in atoms):
+                continue
+            wanted[_input_stack(walk, kind, atoms)] = None
+    walk.hold_all([a for a in wanted if walk.to_hold(a)])
+
+
+def _input_stack(walk, kind, atoms):
+    """The stack a family reads at an input of kind "s" (an existing stack)
+    or "o" (the members' own inputs, stacked: a copy, or an earlier stack)."""
+    return walk.stacks[kind[1]] if kind[0] == "s" else walk.stack_inputs(atoms, reverse=False)
 
 
 def emit(walk, fam):
@@ -234,12 +238,10 @@ def emit(walk, fam):
                 arr = _broadcast(walk.b, arr, (n,) + tuple(aval.shape),
                                  tuple(range(1, aval.ndim + 1)))
         else:
-            if kind[0] == "s":
-                arr = walk.held(walk.stacks[kind[1]])
-            elif kind[0] == "f":
+            if kind[0] == "f":
                 arr = walk.stacks[walk.family_out[kind[1:]]]
-            else:              # distinct per member: stacked (a copy), or an earlier stack
-                arr = walk.held(walk.stack_inputs([m.invars[p] for m in members], reverse=False))
+            else:
+                arr = walk.held(_input_stack(walk, kind, [m.invars[p] for m in members]))
             if not aval.ndim and out_shape:   # a per-member scalar next to arrays
                 arr = _broadcast(walk.b, arr, (n,) + out_shape, (0,))
         args.append(arr)

@@ -50,7 +50,7 @@ class Walk:
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
         self.tail = max((r.stop for r in runs), default=len(jaxpr.eqns))
         self.vector = {}      # position after the last run -> its Family (`_reroll_vector`)
-        self.family_out = {}  # (id(family), output k) -> atom of the stacked result
+        self.family_out = {}  # (id(family), output k) -> id of its stack (`stacks`)
         self.concatenated = set()   # atoms of the stacks this walk concatenated
         self.held_stacks = {}       # such a stack -> its `held` atom
         self.pending_holds = {}     # stack ids to hold before their entries are read (ordered)
@@ -172,21 +172,22 @@ class Walk:
                            key="reroll.unstack")
         return out
 
-    def held(self, arr, now: bool = True):
+    def held(self, arr):
         """`arr` for a vectorised family to read: a stack this walk
         concatenated from at most `_stacks.CONCAT_FUSES_UP_TO` entries goes
         through `_stacks.hold` (once), else XLA fuses the concatenate into
         each element-wise reader, one large kernel per reader (measured: the
         8-layer GPT AdamW step compiled in 11.8 s that way, 7.6 s held; the
         16-layer one, whose stacks XLA does not fuse, in 5.2 s)."""
-        if (arr not in self.concatenated or not arr.aval.size
-                or arr.aval.shape[0] > _stacks.CONCAT_FUSES_UP_TO):
-            return arr
-        if arr not in self.held_stacks:
-            if not now:
-                return None        # to be held (`hold_all`)
+        if self.to_hold(arr):
             self.hold_all([arr])
-        return self.held_stacks[arr]
+        return self.held_stacks.get(arr, arr)
+
+    def to_hold(self, arr) -> bool:
+        """Whether `held(arr)` would hold arr now (a short stack of this
+        walk's, not held yet)."""
+        return (arr in self.concatenated and arr not in self.held_stacks and bool(arr.aval.size)
+                and arr.aval.shape[0] <= _stacks.CONCAT_FUSES_UP_TO)
 
     def hold_all(self, arrs):
         """Hold each of `arrs` (`held` then returns the held atom), by one
