@@ -31,6 +31,7 @@ from jaxbackend.passes.pipeline import (
     configure as configure,
     run_pipeline as run_pipeline,
 )
+from jaxbackend.passes.remat_residuals import remat_residuals as remat_residuals
 from jaxbackend.passes.reroll import RerollStats as RerollStats
 from jaxbackend.passes.reroll import reroll as reroll
 from jaxbackend.passes.reroll import reroll_with_stats as reroll_with_stats

@@ -20,10 +20,16 @@ Order (`DEFAULT_PIPELINE`) and why:
                    with `jnp.repeat`), forward and AD's group sums. After
                    hoisting, which moves casts on a repeated K/V above the
                    repeat so the repeat feeds the contraction directly.
-5. `cse`           AD repeats work; earlier rewrites can create duplicates.
-6. `dce`           drop what fusion, hoisting, grouping and cse left dead.
+5. `remat_residuals`  a backward scan recomputes the residuals its forward
+                   scan stacks when they are cheap elementwise functions of
+                   what it reads anyway (what XLA does across an unrolled
+                   program, not across a loop). After the rewrites that
+                   change the bodies; before cse, which merges the copies.
+6. `cse`           AD repeats work; earlier rewrites can create duplicates.
+7. `dce`           drop what fusion, hoisting, grouping and cse left dead
+                   (the residuals `remat_residuals` no longer reads).
    (the sharding search reads the jaxpr at this point: names still there.)
-7. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
+8. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
                    jaxpr with no custom primitive.
 
 Adding a pass is one line: `PASSES["name"] = fn` (fn: ClosedJaxpr ->
@@ -60,6 +66,7 @@ from jaxbackend.passes.fuse_projections import fuse_projections
 from jaxbackend.passes.group_heads import group_heads
 from jaxbackend.passes.hoist_broadcast import hoist_broadcast
 from jaxbackend.passes.inline import inline, inline_calls
+from jaxbackend.passes.remat_residuals import remat_residuals
 from jaxbackend.passes.reroll import reroll as _reroll
 
 # Measured crossover (benchmarks/compile_scaling.py, value_and_grad of the
@@ -83,14 +90,15 @@ PASSES: dict[str, Callable] = {
     "fuse_projections": fuse_projections,
     "hoist_broadcast": hoist_broadcast,
     "group_heads": group_heads,
+    "remat_residuals": remat_residuals,
     "cse": cse,
     "dce": dce,
     "inline": inline,
 }
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "group_heads", "cse", "dce",
-    "inline")
+    "reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "group_heads",
+    "remat_residuals", "cse", "dce", "inline")
 
 
 @dataclasses.dataclass
