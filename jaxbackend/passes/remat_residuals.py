@@ -113,6 +113,10 @@ def _plan(f: _Forward, b_eqn, uses, live):
     kept: dict = {}
     drop: dict = {}
     eqns: dict = {}
+    for v in f.body.invars:    # a carry (or xs) forwarded as a ys that B reads
+        outs = [o for o in f.ys_of.get(v, ()) if o in read]
+        if outs:
+            kept[v] = outs[0]
     for e in f.body.eqns:
         for y in e.outvars:
             outs = [o for o in f.ys_of.get(y, ()) if o in read]

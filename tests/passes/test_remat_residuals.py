@@ -124,3 +124,23 @@ def test_rolled_transformer_step_stores_fewer_residuals():
     assert _ys_bytes(on) < 0.85 * _ys_bytes(off)
     leaves = jax.tree.leaves((x, layers))
     assert_same_values(closed, on, leaves)
+
+
+def test_a_residual_made_from_a_stored_carry_is_recomputed_from_it():
+    def f(x, w):
+        def fwd(c, wi):
+            return jnp.tanh(c @ wi), (c, c * 3.0 - 1.0)   # the carry itself is stored
+
+        h, res = jax.lax.scan(fwd, x, w)
+
+        def bwd(g, r):
+            c, e = r
+            return jnp.tanh(g + c * e), None
+
+        return jax.lax.scan(bwd, h, res, reverse=True)[0]
+
+    args = _args()[:2]
+    before = jax.make_jaxpr(f)(*args)
+    after = passes.dce(passes.remat_residuals(before))
+    assert_same_values(before, after, args)
+    assert _ys(_scans(after)[0]) == ["float32[6,3,4]"]
