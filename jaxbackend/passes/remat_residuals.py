@@ -35,9 +35,9 @@ values, so integer, boolean and select results are exact, non-finite
 values propagate as before, and float results agree up to the rounding of
 the recomputed multiply-adds (XLA:CPU may contract them into FMAs
 differently in B's fusion than in F's, as it does for the producers it
-duplicates in an unrolled program). Equations with effects, sub-jaxprs or
-function-valued params are never copied; bodies with constvars are left
-alone.
+duplicates in an unrolled program). Only `CHEAP` primitives are copied (no
+effects, no sub-jaxprs, no function-valued params); a backward body with
+constvars or effects is left alone.
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ def _walk(jaxpr, b, subs, stats, live_in):
 
 def _remat(b_eqn, producer, forwards, uses, live, stats):
     body, nc, ncar, length, _ = _jax.scan_parts(b_eqn)
-    if body.consts or body.jaxpr.constvars:
-        return b_eqn
+    if body.consts or body.jaxpr.constvars or body.jaxpr.effects:
+        return b_eqn   # (the rebuilt body is made without constvars or effects)
     fs = dict.fromkeys(producer.get(v) for v in b_eqn.invars[nc + ncar:] if _jax.is_var(v))
     for f_eqn in fs:
         if f_eqn is None or f_eqn.primitive.name != "scan" or f_eqn.params["length"] != length:

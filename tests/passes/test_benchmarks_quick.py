@@ -88,3 +88,17 @@ def test_explain_errors_name_the_fix(capsys):
     assert "no function 'nope'" in err and "train_step" in err
     assert _explain.main([str(ROOT / "benchmarks" / "_report.py") + ":table"]) == 2
     assert "example_inputs_table()" in capsys.readouterr().err
+
+
+def test_remat_residuals_quick_never_costs_memory(capsys, monkeypatch):
+    """The quick run's three models at 6 layers (rolled): the pass stores
+    fewer stacked residuals and never more memory (runtime, judged by the
+    full run, is too noisy at these sizes)."""
+    out = _quick("remat_residuals", capsys, monkeypatch)
+    rows = [r for r in out.splitlines() if r.startswith("| ") and "layers" not in r]
+    assert len(rows) == 3, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        off, on = (float(x) for x in cells[2].split(" / "))
+        assert on < off, row
+        assert float(cells[4]) <= 1.0, row

@@ -144,3 +144,22 @@ def test_a_residual_made_from_a_stored_carry_is_recomputed_from_it():
     after = passes.dce(passes.remat_residuals(before))
     assert_same_values(before, after, args)
     assert _ys(_scans(after)[0]) == ["float32[6,3,4]"]
+
+
+def test_a_backward_scan_with_effects_is_left_as_it_is():
+    def f(x, w, v):
+        def fwd(c, xs):
+            wi, vi = xs
+            s = jnp.sin(c) * vi
+            return jnp.tanh(c @ wi), (s, s * 2.0)      # s * 2.0 alone would be recomputed
+
+        h, res = jax.lax.scan(fwd, x, (w, v))
+
+        def bwd(g, r):
+            jax.debug.print("{}", r[0][0, 0])
+            return jnp.tanh(g + r[0] * r[1]), None
+
+        return jax.lax.scan(bwd, h, res, reverse=True)[0]
+
+    before = jax.make_jaxpr(f)(*_args())
+    assert passes.remat_residuals(before) is before
