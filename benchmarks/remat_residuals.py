@@ -10,8 +10,9 @@ with `jb.jit` (one device, no mesh) twice, with the default pipeline and
 with the same pipeline less `remat_residuals`, and reports XLA's memory
 (`memory_analysis()`: arguments + outputs + temporaries), the bytes of the
 forward scans' stacked outputs in the final jaxpr, and the runtime per step
-(their calls alternating: `--rounds` rounds of 5 steps, median). The median
-over `--repeat` processes is reported. Models (embd 128, seq 128, batch 8):
+(their calls alternating: `--rounds` rounds of 5 steps, median), in one
+process per point by default (`--repeat`: the median over more; memory
+is the same in every process). Models (embd 128, seq 128, batch 8):
 
 * `GPT stacked`: the library GPT, params from `nn.functional(...,
   stacked=True)` (what `python -m jaxbackend train` uses);
@@ -121,7 +122,7 @@ def spawn(model_name: str, layers: int, dims: dict, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, no BENCHMARKS.md")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -161,8 +162,8 @@ def main(argv=None) -> int:
                         f"{1e3 * med(m, d, 'on', 'step'):.1f} | {stp:.2f} |")
     body = [f"AdamW training step under `jb.jit` (one CPU device), embd {dims['embd']}, seq "
             f"{dims['seq']}, batch {dims['batch']}; `off`: the default pipeline less "
-            f"`remat_residuals`; medians of {a.repeat} processes (runtime: {a.rounds} alternating "
-            f"rounds of 5 steps per process):", "", *rows, "",
+            f"`remat_residuals`; {a.repeat} process(es) per point (runtime: the median of {a.rounds} "
+            f"alternating rounds of 5 steps):", "", *rows, "",
             f"- memory with / without the pass, worst point: {worst_mem:.2f} (never more: "
             f"{'met' if worst_mem <= 1.0 else 'MISSED'})",
             f"- runtime per step with / without, worst point: {worst_step:.2f} (target <= 1.05: "

@@ -12,8 +12,9 @@ residual made from others by cheap elementwise code (`gelu`'s multiplies,
 a layer norm's centred input, a mask broadcast to the scores' shape) is
 recomputed inside the backward fusion that reads it (XLA's fusion
 duplicates cheap producers). Across a loop boundary it cannot, so a rolled
-step kept them all: measured on a plain Flax NNX transformer (8 layers,
-batch 8), 461 MiB of temporaries rolled against 390 unrolled.
+step kept them all (`benchmarks/remat_residuals.py`: the pass halves the
+stacked residuals of a GPT AdamW step and cuts its memory by a third, its
+step time by 12-18%).
 
 Invariant established: for each such B, no xs of B is a ys of F that B
 alone reads and that F's body makes, through at most `MAX_CHAIN` equations

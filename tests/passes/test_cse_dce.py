@@ -111,14 +111,17 @@ def test_dce_drops_the_dead_residual_a_rolled_gpt_step_stacks(monkeypatch):
 
     monkeypatch.setattr(_attention, "_causal",
                         lambda s, keep: nx.where(keep, s, jnp.finfo(s.dtype).min))
-    # the block's call is traced once per shape (`jb.layer`): a block of these
-    # shapes traced earlier in this process would keep the checkpointed mask
+    # the block's call is traced once per shape (`jb.layer`): without clearing
+    # JAX's caches before and after, a block of these shapes traced by another
+    # test in this process would keep (or get) the other mask
     jax.clear_caches()
-
-    model = GPT(GPTConfig(n_layers=4, embd=16, heads=2, seq_len=8), rngs=nnx.Rngs(0))
-    params, loss = nn.functional(model, "loss")
-    x = jnp.zeros((2, 8), jnp.int32)
-    closed = jax.make_jaxpr(jax.value_and_grad(loss))(params, x, x)
+    try:
+        model = GPT(GPTConfig(n_layers=4, embd=16, heads=2, seq_len=8), rngs=nnx.Rngs(0))
+        params, loss = nn.functional(model, "loss")
+        x = jnp.zeros((2, 8), jnp.int32)
+        closed = jax.make_jaxpr(jax.value_and_grad(loss))(params, x, x)
+    finally:
+        jax.clear_caches()
     rolled = closed
     for name in ("reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "cse"):
         rolled = getattr(passes, name)(rolled)    # the pipeline up to dce
