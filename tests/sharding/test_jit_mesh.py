@@ -178,7 +178,7 @@ def _gpt_step(layers: int):
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=layers, embd=32, heads=4),
                 rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
-    x = jax.random.randint(jax.random.key(1), (8, 8), 0, 32)
+    x = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
     return jax.value_and_grad(loss_fn), (params, x, jnp.roll(x, -1, axis=1))
 
 
