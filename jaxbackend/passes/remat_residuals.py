@@ -64,8 +64,7 @@ class _Forward:
     source (const/xs operands of F; ys read by B are added as decided)."""
 
     def __init__(self, f_eqn):
-        body, self.nc, self.ncar, self.length, _ = _jax.scan_parts(f_eqn)
-        self.eqn = f_eqn
+        body, self.nc, self.ncar, _, _ = _jax.scan_parts(f_eqn)
         self.body = body.jaxpr
         self.ok = not self.body.constvars
         self.producer = {v: e for e in self.body.eqns for v in e.outvars}
@@ -209,18 +208,15 @@ def _walk(jaxpr, b, subs, stats, live_in):
     rebuilt by `_rebuild`; returns None when nothing changed."""
     uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _jax.is_var(v))
     uses.update(v for v in jaxpr.outvars if _jax.is_var(v))
-    producer: dict = {}
     forwards: dict = {}
     live = set(jaxpr.invars) | set(jaxpr.constvars) if live_in else set()
     changed = False
     for eqn in jaxpr.eqns:
         new = subs(eqn)
         if new.primitive.name == "scan":
-            new = _remat(new, producer, forwards, uses, live, stats)
+            new = _remat(new, b.producer, forwards, uses, live, stats)
         changed |= new is not eqn
         b.append(new)
-        for v in new.outvars:
-            producer[v] = new
     return list(jaxpr.outvars) if changed else None
 
 
@@ -228,7 +224,7 @@ def _remat(b_eqn, producer, forwards, uses, live, stats):
     body, nc, ncar, length, _ = _jax.scan_parts(b_eqn)
     if body.consts or body.jaxpr.constvars or body.jaxpr.effects:
         return b_eqn   # (the rebuilt body is made without constvars or effects)
-    fs = dict.fromkeys(producer.get(v) for v in b_eqn.invars[nc + ncar:] if _jax.is_var(v))
+    fs = dict.fromkeys(producer(v) for v in b_eqn.invars[nc + ncar:])
     for f_eqn in fs:
         if f_eqn is None or f_eqn.primitive.name != "scan" or f_eqn.params["length"] != length:
             continue
