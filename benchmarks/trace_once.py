@@ -17,10 +17,15 @@
 
 Seconds: tracing (make_jaxpr of the step, as the compiler in question
 runs it: `jb.jit` with Python's cyclic collector paused,
-`passes.pipeline.paused_gc`; `jax.jit` with it on) and the whole compile (trace,
-passes, lower, XLA compile); then the runtime per step of the compiled
-program, against `unrolled` (the cached model with `reroll=False`). Every point runs in a fresh process (no JAX
-cache shared), variants interleaved; medians of `--repeat` processes.
+`passes.pipeline.paused_gc`; `jax.jit` with it on) and the whole compile
+(trace, passes, lower, XLA compile), after `jax.clear_caches()`: `jax.jit(f)`
+reuses the trace `jax.make_jaxpr(f)` cached for the same function (and
+`jb.layer` the traces of its layers), so without it the hand scan's total
+left out its tracing while `jb.jit`'s, which traces a wrapper of its own,
+kept most of it; then the runtime per step of the compiled program, against
+`unrolled` (the cached model with `reroll=False`). Every point runs in a
+fresh process (no JAX cache shared), variants interleaved; medians of
+`--repeat` processes.
 Targets (issue 13): cached total at 64 layers <= 1.3x its 4-layer figure and
 <= 1.25x the hand scan at every depth; tracing at 64 layers <= 2x 4 layers;
 runtime rolled / unrolled <= 1.10 (the `stacked` program is timed in the
@@ -66,9 +71,11 @@ def run_transformer_point(variant: str, layers: int) -> dict:
     t0 = time.perf_counter()
     with _as_traced_by(compile_with):
         jax.make_jaxpr(vg)(*args)
+    trace = time.perf_counter() - t0
+    jax.clear_caches()   # the total traces anew (see the module docstring)
     t1 = time.perf_counter()
     compile_with(vg).lower(*args).compile()
-    return {"trace": t1 - t0, "total": time.perf_counter() - t1}
+    return {"trace": trace, "total": time.perf_counter() - t1}
 
 
 def _as_traced_by(compile_with):
@@ -124,18 +131,20 @@ def run_point(variant: str, layers: int) -> dict:
     t0 = time.perf_counter()
     with _as_traced_by(jax.jit if variant == "hand scan" else jb.jit):
         jax.make_jaxpr(step)(params, opt_state, x, x)
+    trace = time.perf_counter() - t0
+    jax.clear_caches()   # the total traces anew (see the module docstring)
     t1 = time.perf_counter()
     compiled = compile_with(step).lower(params, opt_state, x, x).compile()
     total = time.perf_counter() - t1
     if variant != "hand scan":   # the rolled/unrolled runtimes come from `paired`
-        return {"trace": t1 - t0, "total": total}
+        return {"trace": trace, "total": total}
     jax.block_until_ready(compiled(params, opt_state, x, x))
     times = []
     for _ in range(STEPS):
         t = time.perf_counter()
         jax.block_until_ready(compiled(params, opt_state, x, x))
         times.append(time.perf_counter() - t)
-    return {"trace": t1 - t0, "total": total, "step": statistics.median(times)}
+    return {"trace": trace, "total": total, "step": statistics.median(times)}
 
 
 def _paired_runtime(step, tx, params, opt_state, x, rounds: int = 7) -> dict:
