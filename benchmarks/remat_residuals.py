@@ -136,11 +136,15 @@ def main(argv=None) -> int:
     dims, depths = dict(embd=128, seq=128, batch=8), [8, 32]
     if a.quick:
         dims, depths, a.repeat, a.rounds = dict(embd=32, seq=16, batch=2), [6], 1, 1
+    # the quick smoke run stays in this process (a fresh one per point is
+    # for timing, which it does not judge)
+    measure = ((lambda m, d: run_point(m, d, dims, a.rounds)) if a.quick
+               else (lambda m, d: spawn(m, d, dims, a.rounds)))
     runs: dict = {}
     for _ in range(a.repeat):
         for d in depths:
             for m in MODELS:
-                runs.setdefault((m, d), []).append(spawn(m, d, dims, a.rounds))
+                runs.setdefault((m, d), []).append(measure(m, d))
 
     def med(m, d, label, key):
         return statistics.median(r[label][key] for r in runs[(m, d)])

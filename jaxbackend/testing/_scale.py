@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxbackend import _jax
 
@@ -51,11 +52,21 @@ def _filled(vals, vs):
             for x, v in zip(vals, vs)]
 
 
+def _select(pred, a, b):
+    """jnp.where(pred, a, b) for a Python scalar b, as one `select_n`:
+    jnp.where is a nested `jit` per call, and the variance program of a deep
+    training step makes thousands of them."""
+    shape = jnp.broadcast_shapes(jnp.shape(pred), jnp.shape(a))
+    a = jnp.broadcast_to(a, shape)
+    return lax.select(jnp.broadcast_to(pred, shape), a, lax.full_like(a, b))
+
+
 def _clean(out, var):
     """0 on non-finite values (compared by pattern); an overflowed or undefined
     variance on a finite value becomes the largest float (no information)."""
-    big = jnp.finfo(var.dtype).max
-    return jnp.where(jnp.isfinite(out), jnp.where(jnp.isfinite(var), var, big), 0).astype(var.dtype)
+    var = jnp.broadcast_to(var, jnp.shape(out))
+    var = _select(lax.is_finite(var), var, jnp.finfo(var.dtype).max)
+    return _select(lax.is_finite(out), var, 0) if _is_float(out) else var
 
 
 def _var_eval(closed, args, vs) -> tuple:
@@ -124,7 +135,7 @@ def _var_rule(eqn, vals, vs):
                 def f(xi, i=i):
                     return _jax.bind_eqn(eqn, vals[:i] + [xi] + vals[i + 1:])[0]
                 _, d = jax.jvp(f, (vals[i],), (jnp.ones_like(vals[i]),))
-                var = var + jnp.where(w > 0, jnp.square(d.astype(dt)) * w.astype(dt), 0)
+                var = var + _select(w > 0, jnp.square(d.astype(dt)) * w.astype(dt), 0)
         return outs, [_clean(outs[0], var)]
     # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
     # largest variance of an operand (assumes it does not amplify errors).
