@@ -102,7 +102,8 @@ def _var_rule(eqn, vals, vs):
     if name in _MOVE:
         filled = _filled(vals, vs)
         moved = _jax.bind_eqn(eqn, [w if _is_float(x) else x for x, w in zip(vals, filled)])
-        return outs, [_clean(o, w) for o, w in zip(outs, moved)]
+        # (an integer moved with floats, by one optimization_barrier, is exact)
+        return outs, [_clean(o, w) if f else None for o, w, f in zip(outs, moved, floats)]
     dt = _vdtype(outs[0])
     zero = [jnp.zeros(jnp.shape(x), dt) if w is None and _is_float(x) else w
             for x, w in zip(vals, vs)]

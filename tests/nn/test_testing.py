@@ -100,6 +100,14 @@ def test_abs_scale_of_contractions_and_programs():
     # integer outputs and non-finite outputs carry no scale
     ints, infs = testing.abs_scale(lambda x: (x.astype(jnp.int32), x / 0.0), a)
     assert ints.max() == 0.0 and infs.max() == 0.0
+    # one optimization_barrier moving a float and an integer: the float keeps
+    # its scale, the integer has none (this raised in jnp.finfo once)
+    def barrier(x, i):
+        y, j = jax.lax.optimization_barrier((x @ b, i + 1))
+        return y, j
+    y_scale, j_scale = testing.abs_scale(barrier, a, jnp.arange(3))
+    np.testing.assert_array_equal(y_scale, np.abs(a) @ np.abs(b))
+    assert j_scale.shape == (3,) and j_scale.max() == 0.0
 
 
 def test_exact_kinds_and_patterns():
