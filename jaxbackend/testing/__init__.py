@@ -72,7 +72,13 @@ float32, 2**-7 bfloat16, 2**-10 float16) and u = eps/2 the unit roundoff.
    each operation's own rounding (its sum|terms|, or |result| for an
    elementwise op) reaches the outputs times |derivative|, and the
    contributions add in quadrature as in 3. One sum gets exactly sum|terms|,
-   so rtol means the same for a program as for one sum.
+   so rtol means the same for a program as for one sum. A product of two
+   values that both carry errors (or a power of one) also gets the product
+   of the errors, the second-order term (variance u**2 w0 w1 in units of
+   u**2): negligible unless the values are themselves rounding noise, where
+   it is the whole error (AdamW's second moment of a gradient that cancels
+   by symmetry, a key bias's: 1e-21 against 3e-21 between two programs,
+   which the first-order model gave a scale of 0).
 
 `TOLERANCES[dtype] = (ROUNDINGS[dtype] * EPS[dtype], 0)`; the loosest dtype
 of the two compared arrays wins (a bfloat16 result against a float32

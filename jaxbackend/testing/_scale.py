@@ -6,7 +6,9 @@ of its rounding error in units of u**2 (None: exact). Each operation adds
 its own rounding, (sum|terms|)**2 for a sum or contraction and result**2
 for an elementwise op, to the variances it inherits from its operands,
 weighted by the squared derivative (Higham and Mary's probabilistic
-rounding error analysis: independent zero-mean roundings add in quadrature).
+rounding error analysis: independent zero-mean roundings add in quadrature),
+plus, for a product of two erring values or a power of one, the product of
+the errors (second order: the whole error of squared rounding noise).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def _filled(vals, vs):
     """Variances with exact floats as zeros (scan/cond/while need one structure)."""
     return [(jnp.zeros(jnp.shape(x), _vdtype(x)) if v is None else v) if _is_float(x) else None
             for x, v in zip(vals, vs)]
+
+
+def _unit(x) -> float:
+    """u = eps / 2, the unit roundoff of x's dtype. The variances here are
+    in units of u**2 (an op's own rounding is result**2), so two errors of
+    variances u**2 w0 and u**2 w1 have a product of variance u**4 w0 w1:
+    (u w0) (u w1) in these units."""
+    return float(jnp.finfo(jnp.result_type(x)).eps) / 2
 
 
 def _select(pred, a, b):
@@ -128,6 +138,12 @@ def _var_rule(eqn, vals, vs):
             for i, w in enumerate(vs):
                 if w is not None:
                     var = var + op(sq[:i] + [w.astype(dt)] + sq[i + 1:])
+            if len(vs) == 2 and all(w is not None for w in vs):
+                # both factors carry errors: their product e0 * e1 too
+                # (second order; the whole error where the factors are
+                # themselves rounding noise, as a gradient that cancels by
+                # symmetry, squared). u on each factor: w0 * w1 may overflow
+                var = var + op([w.astype(dt) * _unit(outs[0]) for w in vs])
         return outs, [_clean(outs[0], var)]
     if name in _ELEMENTWISE:
         var = jnp.square(outs[0].astype(dt))
@@ -137,6 +153,14 @@ def _var_rule(eqn, vals, vs):
                     return _jax.bind_eqn(eqn, vals[:i] + [xi] + vals[i + 1:])[0]
                 _, d = jax.jvp(f, (vals[i],), (jnp.ones_like(vals[i]),))
                 var = var + _select(w > 0, jnp.square(d.astype(dt)) * w.astype(dt), 0)
+        power = 2 if name == "square" else eqn.params.get("y", 0) if name == "integer_pow" else 0
+        if power >= 2 and vs[0] is not None:
+            # x**p moves by p x**(p-1) e + p (p-1) x**(p-2) e**2 / 2: the
+            # second term, variance (p (p-1) x**(p-2))**2 / 2 * var**2 * u**2,
+            # is the whole error where x is itself rounding noise
+            w = vs[0].astype(dt)
+            curve = power * (power - 1) * jnp.abs(vals[0]).astype(dt) ** (power - 2)
+            var = var + 0.5 * jnp.square(curve * w * _unit(outs[0]))
         return outs, [_clean(outs[0], var)]
     # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
     # largest variance of an operand (assumes it does not amplify errors).

@@ -100,6 +100,17 @@ def test_abs_scale_of_contractions_and_programs():
     # integer outputs and non-finite outputs carry no scale
     ints, infs = testing.abs_scale(lambda x: (x.astype(jnp.int32), x / 0.0), a)
     assert ints.max() == 0.0 and infs.max() == 0.0
+    # products of rounding noise (a sum that cancels to 0, squared or times
+    # another): the first-order terms vanish at 0, the product of the errors
+    # does not (u**2 w0 w1; 2 u**2 w**2 for a square)
+    x = jnp.array([1.0, -1.0, 0.5, -0.5])
+    u = np.finfo(np.float32).eps / 2
+    assert testing.abs_scale(jnp.sum, x) == 3.0
+    np.testing.assert_allclose(testing.abs_scale(lambda v: jnp.sum(v) ** 2, x),
+                               np.sqrt(2) * u * 9.0, rtol=1e-6)
+    np.testing.assert_allclose(testing.abs_scale(lambda v: jnp.sum(v) * jnp.sum(2 * v), x),
+                               u * 3.0 * testing.abs_scale(lambda v: jnp.sum(2 * v), x),
+                               rtol=1e-6)
     # one optimization_barrier moving a float and an integer: the float keeps
     # its scale, the integer has none (this raised in jnp.finfo once)
     def barrier(x, i):
