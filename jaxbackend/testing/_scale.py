@@ -44,8 +44,12 @@ def _is_float(x) -> bool:
 
 
 def _vdtype(x):
-    """Variances are float32 (float64 for float64 values): no float16 overflow."""
-    return jnp.float64 if jnp.result_type(x) == jnp.float64 else jnp.float32
+    """Variances are float64 (the variance program runs with x64 enabled,
+    `abs_scale`): a variance is a square, and in float32 it would underflow
+    to 0 for any value below ~1e-19 (a softmax's small probabilities, a
+    second moment of small gradients: XLA flushes the subnormals) and
+    overflow above ~1e19."""
+    return jnp.float64
 
 
 def _filled(vals, vs):
@@ -128,6 +132,12 @@ def _var_rule(eqn, vals, vs):
         def op(ops):
             if name in ("sub", "neg"):
                 return ops[0] + ops[1] if name == "sub" else ops[0]
+            if name in ("scatter-add", "scatter_add"):
+                # its params hold an update jaxpr typed for the values' dtype
+                prm = eqn.params
+                return lax.scatter_add(*ops, prm["dimension_numbers"],
+                                       indices_are_sorted=prm["indices_are_sorted"],
+                                       unique_indices=prm["unique_indices"], mode=prm["mode"])
             return _jax.bind_eqn_as(eqn, ops, dt)[0].astype(dt)
         absv = [jnp.abs(x).astype(dt) if _is_float(x) else x for x in vals]
         var = 0 if name == "neg" else jnp.square(op(absv))      # this op's own rounding
@@ -234,8 +244,11 @@ def abs_scale(fn, *args):
     leaves, tree = jax.tree.flatten(args)
     closed, shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
                                    return_shape=True)(*leaves)
-    scales = jax.jit(lambda *xs: [None if v is None else jnp.sqrt(v) for v in
-                                  _var_eval(closed, xs, [None] * len(xs))[1]])(*leaves)
+    # the program's own values keep their dtypes (its jaxpr is traced above,
+    # without x64); only the variances are float64
+    with jax.enable_x64(True):
+        scales = jax.jit(lambda *xs: [None if v is None else jnp.sqrt(v) for v in
+                                      _var_eval(closed, xs, [None] * len(xs))[1]])(*leaves)
     return jax.tree.unflatten(jax.tree.structure(shape),
                               [np.zeros(o.shape) if s is None else np.asarray(s, np.float64)
                                for o, s in zip(jax.tree.leaves(shape), scales)])

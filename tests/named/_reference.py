@@ -15,7 +15,7 @@ import xarray as xr
 from hypothesis import strategies as st
 
 from jaxbackend import named as nx
-from jaxbackend.testing import assert_close
+from jaxbackend.testing import abs_scale, assert_close
 
 POOL = ("a", "b", "c", "d")
 BF16 = ml_dtypes.bfloat16
@@ -57,7 +57,8 @@ def pair(rng, dims, sizes, dtype=np.float32, positive=False, nonzero=False):
 def assert_same(ours, ref, *, check_order=False, rtol=None, atol=None, scale=None):
     """`ours` (NamedArray) equals `ref` (DataArray) by name, by
     `jaxbackend.testing.assert_close` (scale: a DataArray, e.g. the same
-    reduction of |x|, or a number; default max|ref|)."""
+    reduction of |x| or `scale_of`, or a number; default max|ref|; atol: the
+    subnormal flush, below)."""
     assert isinstance(ours, nx.NamedArray), type(ours)
     assert isinstance(ref, xr.DataArray), type(ref)
     assert sorted(ours.dims) == sorted(ref.dims), (ours.dims, ref.dims)
@@ -70,10 +71,21 @@ def assert_same(ours, ref, *, check_order=False, rtol=None, atol=None, scale=Non
         np.testing.assert_array_equal(got, want)
         return
     # the project's error model: per-dtype rtol, integers exact, non-finite
-    # patterns exact (xarray computes in the same dtype, or wider)
+    # patterns exact (xarray computes in the same dtype, or wider). XLA:CPU
+    # flushes subnormal results to 0 where numpy keeps them: a value below
+    # the smallest normal of the type our ops ran in may move by itself
     if isinstance(scale, xr.DataArray):
         scale = np.asarray(scale.transpose(*ref.dims).values)
+    if atol is None:
+        atol = float(np.finfo(np.float64 if got.dtype == np.float64 else np.float32).tiny)
     assert_close(got, want, rtol=rtol, atol=atol, scale=scale, what=f"{ours.dims}")
+
+
+def scale_of(fn, *args) -> xr.DataArray:
+    """The error model's scale of `fn(*args)` (a NamedArray function):
+    `jaxbackend.testing.abs_scale`, as a DataArray for `assert_same`."""
+    s = abs_scale(fn, *args)
+    return xr.DataArray(np.asarray(s.values), dims=s.dims)
 
 
 def rng_st():
