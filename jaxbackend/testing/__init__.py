@@ -83,7 +83,10 @@ float32, 2**-7 bfloat16, 2**-10 float16) and u = eps/2 the unit roundoff.
 `TOLERANCES[dtype] = (ROUNDINGS[dtype] * EPS[dtype], 0)`; the loosest dtype
 of the two compared arrays wins (a bfloat16 result against a float32
 reference is compared at bfloat16's). `atol` is 0: an absolute floor would
-hide errors in small tensors.
+hide errors in small tensors. One exception, against a numpy reference only:
+XLA:CPU flushes subnormal results to 0 where numpy keeps them, so a value
+below the smallest normal may move by itself (`atol=np.finfo(np.float32).tiny`;
+the project's xarray comparisons pass it).
 
 `scale` defaults to max|expected| over the tensor (its finite entries): the
 right scale for entries made of terms no larger than the tensor's largest
