@@ -113,12 +113,22 @@ def test_rolled_stacked_loop_reads_the_stack_and_returns_its_gradient_stacked(ar
     # stack's entries are not split out (nor are gradients indexed out)
     assert not [e for e in eqns if e.primitive.name == "concatenate" and len(e.invars) > 2]
     assert not [e for e in eqns if e.primitive.name == "custom_vjp_call"]
-    assert "reroll.stacked_copies: 0" in report
+    assert "reroll.stacked_copies: 0" in report and "jb.stack_layers" not in report
     restack = (lambda out: (out[0], jb.stack_layers(out[1])) if argnums == 0 else  # noqa: E731
                (out[0], (jb.stack_layers(out[1][0]), out[1][1])))
     testing.assert_close(got, restack(vg(ws, x)),
                          scale=lambda: restack(testing.abs_scale(vg, ws, x)),
                          what="rolled stacked value_and_grad")
+
+
+def test_the_report_of_a_rolled_per_layer_list_points_to_stack_layers():
+    # per-layer weights are copied into stacks at every call: the report says
+    # so and names the fix (the stacked form's report does not: above)
+    f = jb.jit(jax.value_and_grad(_loss))
+    f(_weights(), _x())
+    report = str(f.last_report)
+    assert "reroll.stacked_copies: 2" in report, report      # w and b
+    assert "note: reroll copied 2 per-layer lists" in report and "jb.stack_layers" in report
 
 
 def test_a_stacked_loop_shorter_than_the_reroll_minimum_is_rolled():

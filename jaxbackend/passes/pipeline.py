@@ -153,6 +153,13 @@ class Report:
             rows.append(f"{s.name:<18} {s.eqns_before:>11} {s.eqns_after:>7} "
                         f"{s.seconds * 1e3:>8.2f}  {m}")
         rows.append(f"{'total':<18} {'':>11} {'':>7} {self.seconds * 1e3:>8.2f}")
+        copies = sum(s.matches.get("reroll.stacked_copies", 0) for s in self.stats)
+        if copies:
+            # the one cost of a rolled program that grows with depth (XLA
+            # compiles a kernel per returned per-layer array): say the fix
+            rows.append(f"note: reroll copied {copies} per-layer lists into stacks (every call; "
+                        f"results come back one array per layer); jb.stack_layers keeps the "
+                        f"layers stacked across calls, without the copies (README)")
         return "\n".join(rows)
 
 
