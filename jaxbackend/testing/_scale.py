@@ -43,18 +43,16 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _vdtype(x):
-    """Variances are float64 (the variance program runs with x64 enabled,
-    `abs_scale`): a variance is a square, and in float32 it would underflow
-    to 0 for any value below ~1e-19 (a softmax's small probabilities, a
-    second moment of small gradients: XLA flushes the subnormals) and
-    overflow above ~1e19."""
-    return jnp.float64
+# Variances are float64 (the variance program runs with x64 enabled,
+# `abs_scale`): a variance is a square, and in float32 it would underflow to 0
+# for any value below ~1e-19 (a softmax's small probabilities, a second moment
+# of small gradients: XLA flushes the subnormals) and overflow above ~1e19.
+_VDTYPE = jnp.float64
 
 
 def _filled(vals, vs):
     """Variances with exact floats as zeros (scan/cond/while need one structure)."""
-    return [(jnp.zeros(jnp.shape(x), _vdtype(x)) if v is None else v) if _is_float(x) else None
+    return [(jnp.zeros(jnp.shape(x), _VDTYPE) if v is None else v) if _is_float(x) else None
             for x, v in zip(vals, vs)]
 
 
@@ -80,7 +78,7 @@ def _clean(out, var):
     variance on a finite value becomes the largest float (no information)."""
     var = jnp.broadcast_to(var, jnp.shape(out))
     var = _select(lax.is_finite(var), var, jnp.finfo(var.dtype).max)
-    return _select(lax.is_finite(out), var, 0) if _is_float(out) else var
+    return _select(lax.is_finite(out), var, 0)
 
 
 def _var_eval(closed, args, vs) -> tuple:
@@ -118,7 +116,7 @@ def _var_rule(eqn, vals, vs):
         moved = _jax.bind_eqn(eqn, [w if _is_float(x) else x for x, w in zip(vals, filled)])
         # (an integer moved with floats, by one optimization_barrier, is exact)
         return outs, [_clean(o, w) if f else None for o, w, f in zip(outs, moved, floats)]
-    dt = _vdtype(outs[0])
+    dt = _VDTYPE
     zero = [jnp.zeros(jnp.shape(x), dt) if w is None and _is_float(x) else w
             for x, w in zip(vals, vs)]
     if name in ("reduce_max", "reduce_min"):    # the extreme entry's own (ties: the largest)
@@ -175,7 +173,7 @@ def _var_rule(eqn, vals, vs):
     # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
     # largest variance of an operand (assumes it does not amplify errors).
     carried = sum((jnp.max(w) for w in vs if w is not None), jnp.float32(0))
-    return outs, [_clean(o, jnp.square(o.astype(_vdtype(o))) + carried.astype(_vdtype(o)))
+    return outs, [_clean(o, jnp.square(o.astype(_VDTYPE)) + carried.astype(_VDTYPE))
                   if f else None for o, f in zip(outs, floats)]
 
 
