@@ -27,7 +27,12 @@ an earlier one that is kept. Leaves that would extend a buffer's life (an
 F operand B does not read already and that is not a program input) are
 allowed only while their bytes stay under the residual's. `CHEAP` is what
 XLA's fusion itself duplicates (no divide, no transcendental: those
-residuals stay stored, as XLA stores them).
+residuals stay stored, as XLA stores them), with one exception: a residual
+F's body makes from F's consts alone (a rotary table, a causal mask from
+`iota`: the same value at every iteration, stacked L times) is computed
+once before B, by F's equations copied into the outer jaxpr (at most
+`MAX_HOISTED`, none with effects or sub-jaxprs, and no `NOT_REPEATABLE`
+primitive), and B reads it as a const.
 
 When it keeps `jax.jit`'s results: B's iteration i reads ys[i] whatever
 its direction, and F's iteration i computed ys[i] from its consts, xs[i]
@@ -36,9 +41,13 @@ values, so integer, boolean and select results are exact, non-finite
 values propagate as before, and float results agree up to the rounding of
 the recomputed multiply-adds (XLA:CPU may contract them into FMAs
 differently in B's fusion than in F's, as it does for the producers it
-duplicates in an unrolled program). Only `CHEAP` primitives are copied (no
-effects, no sub-jaxprs, no function-valued params); a backward body with
-constvars or effects is left alone.
+duplicates in an unrolled program). A hoisted residual: every ys[i] was the
+same primitives on the same consts, so the one copy before B is that value
+(same caveat on FMA contraction); a primitive whose value may change
+between evaluations on the same operands (`rng_uniform`) is never hoisted.
+Recomputed: only `CHEAP` primitives are copied (no effects, no sub-jaxprs,
+no function-valued params); hoisted: no effects, no sub-jaxprs. A backward
+body with constvars or effects is left alone.
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ add sub mul neg max min abs sign select_n convert_element_type integer_pow squar
 and or not eq ne lt le gt ge add_any broadcast_in_dim reshape squeeze expand_dims copy copy_p
 """.split())
 MAX_CHAIN = 16   # equations recomputed per residual, at most
+MAX_HOISTED = 64  # equations hoisted per loop-invariant residual, at most
+# pure primitives whose result may differ between two evaluations on the same
+# operands (XLA's RngUniform draws from a per-executable state)
+NOT_REPEATABLE = frozenset({"rng_uniform"})
 
 
 def _nbytes(aval) -> int:
@@ -98,11 +111,37 @@ class _Forward:
             stack.extend(e.invars)
         return sorted(need.values(), key=lambda e: self.index[id(e)])
 
+    def invariant(self, y, leaf_ok):
+        """The equations (body order) computing body var y from F's consts
+        alone (the same value at every iteration), each free of effects and
+        of sub-jaxprs and of `NOT_REPEATABLE` primitives, at most `MAX_HOISTED`; None if y
+        reads a carry or an xs. `leaf_ok(const body var)` may refuse one."""
+        need: dict = {}
+        stack, seen = [y], set()
+        while stack:
+            v = stack.pop()
+            if not _jax.is_var(v) or v in seen:
+                continue
+            seen.add(v)
+            if v in self.const_in:
+                if not leaf_ok(v):
+                    return None
+                continue
+            e = self.producer.get(v)
+            if (e is None or e.effects or e.primitive.name in NOT_REPEATABLE
+                    or _jax.has_sub_jaxprs(e) or len(need) >= MAX_HOISTED):
+                return None
+            need[id(e)] = e
+            stack.extend(e.invars)
+        return sorted(need.values(), key=lambda e: self.index[id(e)])
+
 
 def _plan(f: _Forward, b_eqn, uses, live):
     """(B's xs positions to drop -> the F body var recomputed there, F body
     vars whose ys B keeps reading -> that ys, F's equations to copy in body
-    order), or None. `live`: outer vars alive across B anyway."""
+    order, B's xs positions to read as a const -> the F body var hoisted
+    there, F's equations to hoist in body order), or None. `live`: outer
+    vars alive across B anyway."""
     body, nc, ncar, _, _ = _jax.scan_parts(b_eqn)
     b_xs = body.jaxpr.invars[nc + ncar:]
     read = collections.defaultdict(list)          # ys outer var -> B xs positions
@@ -113,6 +152,8 @@ def _plan(f: _Forward, b_eqn, uses, live):
     kept: dict = {}
     drop: dict = {}
     eqns: dict = {}
+    hoist: dict = {}
+    hoisted: dict = {}
     for v in f.body.invars:    # a carry (or xs) forwarded as a ys that B reads
         outs = [o for o in f.ys_of.get(v, ()) if o in read]
         if outs:
@@ -134,24 +175,41 @@ def _plan(f: _Forward, b_eqn, uses, live):
                     budget[0] -= _nbytes(src.aval)   # its life extends to B
                 return budget[0] > 0
 
+            def const_ok(v):
+                src = f.const_in[v]
+                if _jax.is_var(src) and src not in b_live:
+                    budget[0] -= _nbytes(src.aval)   # its life extends to B
+                return budget[0] > 0
+
             positions = [p for o in outs for p in read[o]]
             ok = (all(uses.get(o, 0) == len(read[o]) for o in outs)
                   and all(_jax.same_aval(y.aval, b_xs[p].aval) for p in positions))
-            chain = f.chain(y, leaf_ok) if ok else None
+            if not ok:
+                kept[y] = outs[0]
+                continue
+            chain = f.chain(y, leaf_ok)
+            if chain is not None:          # cheap: recomputed where B reads it
+                drop.update((p, y) for p in positions)
+                eqns.update((id(c), c) for c in chain)
+                continue
+            budget = [sum(_nbytes(o.aval) for o in outs)]
+            chain = f.invariant(y, const_ok)
             if chain is None:
                 kept[y] = outs[0]
                 continue
-            drop.update((p, y) for p in positions)
-            eqns.update((id(c), c) for c in chain)
-    if not drop:
+            hoist.update((p, y) for p in positions)   # the same value at every iteration
+            hoisted.update((id(c), c) for c in chain)
+    if not drop and not hoist:
         return None
-    return drop, kept, sorted(eqns.values(), key=lambda e: f.index[id(e)])
+    return (drop, kept, sorted(eqns.values(), key=lambda e: f.index[id(e)]), hoist,
+            sorted(hoisted.values(), key=lambda e: f.index[id(e)]))
 
 
-def _rebuild(f: _Forward, b_eqn, drop, kept, eqns):
+def _rebuild(f: _Forward, b_eqn, drop, kept, eqns, hoisted):
     """B with the dropped xs recomputed at the top of its body: F's leaves
     come in as B's existing operands where B has them, else as new consts
-    (F's consts) or new xs (F's xs and kept ys, same stacked arrays)."""
+    (F's consts) or new xs (F's xs and kept ys, same stacked arrays).
+    `hoisted`: B xs position -> the outer atom B reads as a const there."""
     body, nc, ncar, _, _ = _jax.scan_parts(b_eqn)
     b_in, outer = list(body.jaxpr.invars), list(b_eqn.invars)
     n_xs = len(outer) - nc - ncar
@@ -184,6 +242,15 @@ def _rebuild(f: _Forward, b_eqn, drop, kept, eqns):
         env.update(zip(e.outvars, outvars))
         new_eqns.append(e.replace(invars=invars, outvars=outvars))
     sub = {b_in[nc + ncar + p]: env[y] for p, y in drop.items()}
+    for p, src in hoisted.items():
+        if not _jax.is_var(src):
+            sub[b_in[nc + ncar + p]] = src
+            continue
+        if src not in has_const:
+            has_const[src] = _jax.new_var(b_in[nc + ncar + p].aval)
+            new_consts.append((has_const[src], src))
+        sub[b_in[nc + ncar + p]] = has_const[src]
+    drop = {**drop, **hoisted}
 
     def renamed(atoms):
         return [sub.get(v, v) if _jax.is_var(v) else v for v in atoms]
@@ -214,17 +281,19 @@ def _walk(jaxpr, b, subs, stats, live_in):
     for eqn in jaxpr.eqns:
         new = subs(eqn)
         if new.primitive.name == "scan":
-            new = _remat(new, b.producer, forwards, uses, live, stats)
+            new = _remat(new, b, forwards, uses, live, stats)
         changed |= new is not eqn
         b.append(new)
     return list(jaxpr.outvars) if changed else None
 
 
-def _remat(b_eqn, producer, forwards, uses, live, stats):
+def _remat(b_eqn, b, forwards, uses, live, stats):
+    """B rebuilt against each earlier scan F it reads ys of; F's loop-
+    invariant equations a rebuilt B needs are appended to `b` first."""
     body, nc, ncar, length, _ = _jax.scan_parts(b_eqn)
     if body.consts or body.jaxpr.constvars or body.jaxpr.effects:
         return b_eqn   # (the rebuilt body is made without constvars or effects)
-    fs = dict.fromkeys(producer(v) for v in b_eqn.invars[nc + ncar:])
+    fs = dict.fromkeys(b.producer(v) for v in b_eqn.invars[nc + ncar:])
     for f_eqn in fs:
         if f_eqn is None or f_eqn.primitive.name != "scan" or f_eqn.params["length"] != length:
             continue
@@ -236,9 +305,26 @@ def _remat(b_eqn, producer, forwards, uses, live, stats):
         found = _plan(f, b_eqn, uses, live)
         if found is None:
             continue
-        stats["residuals recomputed"] += len(set(found[0].values()))
-        b_eqn = _rebuild(f, b_eqn, *found)
+        drop, kept, eqns, hoist, hoisted = found
+        stats["residuals recomputed"] += len(set(drop.values()))
+        stats["residuals hoisted"] += len(set(hoist.values()))
+        outer = _hoist(f, hoisted, b)
+        b_eqn = _rebuild(f, b_eqn, drop, kept, eqns, {p: outer[y] for p, y in hoist.items()})
     return b_eqn
+
+
+def _hoist(f: _Forward, eqns, b) -> dict:
+    """F's loop-invariant body equations `eqns`, copied before B in the outer
+    jaxpr (F's const body vars read as F's const operands): F body var ->
+    outer atom."""
+    env: dict = {}
+    for e in eqns:
+        invars = [v if not _jax.is_var(v) else env[v] if v in env else f.const_in[v]
+                  for v in e.invars]
+        outvars = [_jax.new_var(v.aval) for v in e.outvars]
+        env.update(zip(e.outvars, outvars))
+        b.append(e.replace(invars=invars, outvars=outvars))
+    return env
 
 
 def remat_residuals(closed):

@@ -163,3 +163,105 @@ def test_a_backward_scan_with_effects_is_left_as_it_is():
 
     before = jax.make_jaxpr(f)(*_args())
     assert passes.remat_residuals(before) is before
+
+
+def _invariant_scans(x, w):
+    """A forward scan stacking residuals made from its consts alone (a sin
+    table of iota, a causal mask, an rng_uniform draw) and one from the
+    carry; a reverse scan reading them all."""
+    def fwd(c, wi):
+        pos = jax.lax.broadcasted_iota(jnp.float32, (3, 4), 1)
+        table = jnp.sin(pos * 0.5) / 3.0                       # consts only: hoisted
+        mask = (jax.lax.broadcasted_iota(jnp.int32, (4, 4), 0)
+                >= jax.lax.broadcasted_iota(jnp.int32, (4, 4), 1))   # iota: hoisted
+        draw = jax.lax.rng_uniform(jnp.float32(0), jnp.float32(1), (3, 4))  # never hoisted
+        return jnp.tanh(c @ wi), (table, mask, draw, jnp.sin(c))
+
+    h, res = jax.lax.scan(fwd, x, w)
+
+    def bwd(g, r):
+        table, mask, draw, s = r
+        return jnp.tanh(g * table + jnp.where(mask, 1.0, 0.0).sum(0) + s * draw), None
+
+    return jax.lax.scan(bwd, h, res, reverse=True)[0]
+
+
+def _outer_prims(closed):
+    return {e.primitive.name for e in closed.jaxpr.eqns}
+
+
+def test_a_loop_invariant_residual_is_computed_once_before_the_backward_scan():
+    x, w = _args()[:2]
+    before = jax.make_jaxpr(_invariant_scans)(x, w)
+    after = passes.dce(passes.remat_residuals(before))
+    _jax.check_closed_jaxpr(after)
+    fwd, bwd = _scans(after)
+    # the sin table and the mask left the forward scan's stacks; the draw
+    # (a new value each iteration) and sin(carry) stay stacked
+    assert _ys(fwd) == ["float32[6,3,4]", "float32[6,3,4]"]
+    assert {"sin", "iota", "ge"} <= _outer_prims(after)
+    consts = bwd.invars[:bwd.params["num_consts"]]
+    assert sorted(str(v.aval) for v in consts) == ["bool[4,4]", "float32[3,4]"]
+    assert _ys_bytes(after) < _ys_bytes(before)
+    # (values: the next test, without the draw, whose value is the RNG's)
+
+
+def _no_draw(x, w, big):
+    def fwd(c, wi):
+        pos = jax.lax.broadcasted_iota(jnp.float32, (3, 4), 1)
+        table = jnp.sin(pos * 0.5) / 3.0
+        mask = (jax.lax.broadcasted_iota(jnp.int32, (4, 4), 0)
+                >= jax.lax.broadcasted_iota(jnp.int32, (4, 4), 1))
+        total = jnp.sin(big).sum()            # from a large const: its life would extend
+        return jnp.tanh(c @ wi), (table, mask, total)
+
+    h, res = jax.lax.scan(fwd, x, w)
+
+    def bwd(g, r):
+        table, mask, total = r
+        return jnp.tanh(g * table + jnp.where(mask, 1.0, 0.0).sum(0) + total), None
+
+    return jax.lax.scan(bwd, h, res, reverse=True)[0]
+
+
+def test_hoisted_residuals_keep_the_values_and_a_large_leaf_stays_stored():
+    x, w = _args()[:2]
+    big = P.rand(3, 4096)          # 16 KiB, against 6 stacked scalars (24 bytes)
+
+    def f(x, w, big):
+        return _no_draw(x, w, jnp.cos(big))   # cos: the leaf is a temporary, not an input
+
+    before = jax.make_jaxpr(f)(x, w, big)
+    after = passes.dce(passes.remat_residuals(before))
+    assert_same_values(before, after, (x, w, big))
+    fwd, _ = _scans(after)
+    assert _ys(fwd) == ["float32[6]"]          # the sum of sin(cos(big)) stays stacked
+    # integer/boolean exactness: the mask's effect is exact
+    x0 = jnp.zeros_like(x)
+    np.testing.assert_array_equal(jax.jit(_jax.jaxpr_as_fun(after))(x0, w, big)[0],
+                                  jax.jit(_jax.jaxpr_as_fun(before))(x0, w, big)[0])
+
+
+def test_a_rolled_rotary_model_hoists_its_tables_and_mask_and_keeps_its_values():
+    # LLaMA-style library GPT (rotary, causal mask), 4 layers: `reroll` rolls
+    # the AD program; its rotary tables and mask are made from consts alone
+    from flax import nnx
+
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=8, n_layers=4, embd=32, heads=4, kv_heads=2, vocab_size=16,
+                    activation="swiglu", norm="rmsnorm", rotary=True, use_bias=False)
+    params, loss_fn = nn.functional(GPT(cfg, rngs=nnx.Rngs(0)), "loss", stacked=True)
+    x = jax.random.randint(jax.random.key(1), (2, 8), 0, 16)
+    args = (params, x, jnp.roll(x, -1, axis=1))
+    closed = jax.make_jaxpr(jax.value_and_grad(loss_fn))(*args)
+    without = tuple(p for p in passes.DEFAULT_PIPELINE if p != "remat_residuals")
+    on, report = passes.run_pipeline(closed)
+    off, _ = passes.run_pipeline(closed, without)
+    stat = {s.name: s for s in report.stats}["remat_residuals"]
+    assert stat.matches.get("residuals hoisted", 0) >= 3   # cos, sin, the mask
+    assert _ys_bytes(on) < _ys_bytes(off)
+    assert_same_values(closed, on, jax.tree.leaves(args))
+    again, _ = passes.run_pipeline(on, ("remat_residuals",))
+    assert str(again) == str(on)            # nothing left to hoist
