@@ -268,7 +268,7 @@ def verdicts(med, depths, found) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--section", choices=["depth", "plans", "all"], default="all")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, no BENCHMARKS.md")
     ap.add_argument("--plan-layers", type=int, nargs="+", default=[8, 32],
                     help="depths of the plans section (default: 8 32)")
