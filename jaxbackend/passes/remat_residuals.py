@@ -113,9 +113,9 @@ class _Forward:
 
     def invariant(self, y, leaf_ok):
         """The equations (body order) computing body var y from F's consts
-        alone (the same value at every iteration), each free of effects and
-        of sub-jaxprs and of `NOT_REPEATABLE` primitives, at most `MAX_HOISTED`; None if y
-        reads a carry or an xs. `leaf_ok(const body var)` may refuse one."""
+        alone (the same value at every iteration): at most `MAX_HOISTED`,
+        none with effects, sub-jaxprs or a `NOT_REPEATABLE` primitive; None
+        if y reads a carry or an xs. `leaf_ok(const body var)` may refuse one."""
         need: dict = {}
         stack, seen = [y], set()
         while stack:
