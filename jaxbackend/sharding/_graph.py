@@ -114,6 +114,7 @@ class Graph:
     key_names: tuple       # key -> name (a dim name, or dim<size>[_j] for unnamed)
     key_size: tuple        # key -> shardable size
     key_alias: Mapping     # name of a merged dim -> key of its major factor
+    loop_state: frozenset = frozenset()   # vars a `while` carries in or out (held buffers)
 
     @property
     def n_classes(self) -> int:
@@ -139,6 +140,7 @@ class Builder:
         self.ops: list = []
         self.uses: list = []         # var -> index of last op reading it
         self.pinned: set = set()     # vars that are always materialised (scan results)
+        self.loop_state: set = set()  # vars a `while` carries in or out
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
@@ -295,7 +297,8 @@ class Builder:
         return Graph(
             shapes=tuple(self.shapes), itemsize=tuple(self.itemsize), ops=ops,
             uses=tuple(self.uses), invars=tuple(invars), outvars=tuple(outvars),
-            pinned=frozenset(self.pinned), env=env, var_classes=tuple(var_classes),
+            pinned=frozenset(self.pinned), loop_state=frozenset(self.loop_state), env=env,
+            var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias)

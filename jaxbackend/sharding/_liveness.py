@@ -3,11 +3,14 @@ live at once: the memory half of the cost model (`_cost`).
 
 Precondition: a finished `_graph.Graph` and the layout keys of its
 variables. Materialised: outputs of contractions, reductions, stacked scan
-results, and of elementwise ops read by a non-elementwise op or by more than
-`FUSE_MAX_USES` ops (an elementwise result read by one elementwise op is
-assumed fused into it); dead values and constants (broadcasts of literals,
-iota) are not. A temporary is live from the op that makes it to the last op
-that reads it. Temporaries with the same layout keys and size form a group;
+results, the state a `while` carries in and out, and of elementwise ops
+read by a non-elementwise op or by more than `FUSE_MAX_USES` ops (an
+elementwise result read by one elementwise op is assumed fused into it);
+dead values and constants (broadcasts of literals, iota) are not. A
+temporary is live from the op that makes it to the last op that reads it;
+an op outside loops that reads only inputs, constants and such ops'
+results makes it at the start, where XLA:CPU schedules it (the stacks a
+rolled per-layer step copies its inputs into). Temporaries with the same layout keys and size form a group;
 the result counts, per group, how many are live at each program point that
 may hold the peak (points dominated by another are dropped), so the peak
 under any plan is a max over a few rows of a matrix product. It leaves the
@@ -64,10 +67,21 @@ def liveness(g, var_keys, donated=()) -> Liveness:
     """The `Liveness` of graph `g` whose variable v has layout keys
     `var_keys[v]`; `donated`: the graph inputs whose buffers results may reuse."""
     born = [-1] * len(g.shapes)
+    early: set = set()
     for i, op in enumerate(g.ops):
+        # an op outside any loop that reads only inputs, constants and such
+        # ops' results is ready at the start, where XLA:CPU's scheduler puts
+        # it (measured: the stacks `reroll` concatenates from per-layer
+        # inputs all come first in the compiled schedule, though the
+        # optimizer reads some of them last)
+        at_start = op.mult == 1 and op.ins and all(born[v] < 0 or v in early for v, _ in op.ins)
         for v, _ in op.outs:
-            born[v] = i
-    fused = fused_values(g)
+            born[v] = 0 if at_start else i
+            if at_start:
+                early.add(v)
+    # a `while`'s state is held in buffers for the loop (even one that runs
+    # zero times, `_stacks.hold`): materialised, though its readers fuse it
+    fused = fused_values(g) - g.loop_state
     ins, outs = set(g.invars), set(g.outvars)
     groups: dict = {}
     fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins]

@@ -82,6 +82,8 @@ def _walk(b, jaxpr, env, mult):
             for v, w in zip(ins[nc + nb:], outs):
                 for a in range(len(b.shapes[w]) if v is not None and w is not None else 0):
                     b.union(v, a, w, a)
+            # the loop state is buffers XLA holds across the loop (`_liveness`)
+            b.loop_state.update(v for v in ins[nc + nb:] + outs if v is not None)
         elif name == "cond":
             branches = _jax.cond_branches(eqn)
             outs = None
