@@ -94,28 +94,24 @@ class _Forward:
     def chain(self, y, leaf_ok):
         """The equations (body order) recomputing body var y from leaves
         `leaf_ok` accepts, or None."""
-        need: dict = {}
-        stack, seen = [y], set()
-        while stack:
-            v = stack.pop()
-            if not _jax.is_var(v) or v in seen:
-                continue
-            seen.add(v)
-            if v is not y and leaf_ok(v):
-                continue
-            e = self.producer.get(v)
-            if (e is None or e.primitive.name not in CHEAP or e.effects
-                    or _jax.has_sub_jaxprs(e) or len(need) >= MAX_CHAIN):
-                return None
-            need[id(e)] = e
-            stack.extend(e.invars)
-        return sorted(need.values(), key=lambda e: self.index[id(e)])
+        return self._cone(y, lambda v: v is not y and leaf_ok(v), lambda e: (
+            e.primitive.name in CHEAP and not e.effects and not _jax.has_sub_jaxprs(e)),
+            MAX_CHAIN)
 
     def invariant(self, y, leaf_ok):
         """The equations (body order) computing body var y from F's consts
         alone (the same value at every iteration): at most `MAX_HOISTED`,
         none with effects, sub-jaxprs or a `NOT_REPEATABLE` primitive; None
         if y reads a carry or an xs. `leaf_ok(const body var)` may refuse one."""
+        return self._cone(y, lambda v: (leaf_ok(v) or None) if v in self.const_in else False,
+                          lambda e: (not e.effects and e.primitive.name not in NOT_REPEATABLE
+                                     and not _jax.has_sub_jaxprs(e)), MAX_HOISTED)
+
+    def _cone(self, y, leaf, eqn_ok, limit):
+        """The body equations y depends on (body order), walking up from y
+        until `leaf(v)` is True; None where it is None, where a var has no
+        producer in the body, where an equation fails `eqn_ok`, or past
+        `limit` equations."""
         need: dict = {}
         stack, seen = [y], set()
         while stack:
@@ -123,13 +119,13 @@ class _Forward:
             if not _jax.is_var(v) or v in seen:
                 continue
             seen.add(v)
-            if v in self.const_in:
-                if not leaf_ok(v):
-                    return None
+            stop = leaf(v)
+            if stop is None:
+                return None
+            if stop:
                 continue
             e = self.producer.get(v)
-            if (e is None or e.effects or e.primitive.name in NOT_REPEATABLE
-                    or _jax.has_sub_jaxprs(e) or len(need) >= MAX_HOISTED):
+            if e is None or not eqn_ok(e) or len(need) >= limit:
                 return None
             need[id(e)] = e
             stack.extend(e.invars)

@@ -147,12 +147,25 @@ def test_memory_model_counts_donated_buffers_reused_by_results(mesh):
     assert given.plan.cost.memory < kept.plan.cost.memory
 
 
+def _adamw_step(loss_fn):
+    """(tx, an AdamW training step of loss_fn(params, x, y))."""
+    import optax
+
+    tx = optax.adamw(1e-3)
+
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return tx, train_step
+
+
 def test_memory_model_holds_the_stacks_a_rolled_per_layer_step_copies(mesh):
     # per-layer params and AdamW moments: the rolled step concatenates them
     # into stacks, which XLA computes first and holds (a `while` keeps the
     # moments' stacks whole until the update); the model counts them for
     # that long (it predicted 26% too little before)
-    import optax
     from flax import nnx
 
     from jaxbackend import nn
@@ -160,13 +173,7 @@ def test_memory_model_holds_the_stacks_a_rolled_per_layer_step_copies(mesh):
 
     model = nnx_plain.PlainLM(5, 32, heads=2, vocab=32, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, nnx_plain.lm_loss)
-    tx = optax.adamw(1e-3)
-
-    def train_step(p, o, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
-
+    tx, train_step = _adamw_step(loss_fn)
     x = jax.random.randint(jax.random.key(1), (8, 16), 0, 32)
     f = jb.jit(train_step, mesh=mesh)
     compiled = f.lower(params, tx.init(params), x, jnp.roll(x, -1, axis=1)).compile()
@@ -289,7 +296,6 @@ def test_searched_plan_of_a_llama_adamw_step_moves_no_more_bytes_than_data_paral
     `mlp` saves ~1.6% of modelled compute (the optimizer update split) for
     ~2x data parallel's collective bytes (a 1% tie took that trade): the
     search's tie takes data parallel's bytes, measured in the compiled HLO."""
-    import optax
     from flax import nnx
 
     from jaxbackend import nn
@@ -299,13 +305,7 @@ def test_searched_plan_of_a_llama_adamw_step_moves_no_more_bytes_than_data_paral
     cfg = GPTConfig(vocab_size=256, seq_len=64, n_layers=2, embd=64, heads=8, kv_heads=4,
                     activation="swiglu", norm="rmsnorm", rotary=True, use_bias=False)
     params, loss_fn = nn.functional(GPT(cfg, rngs=nnx.Rngs(0)), "loss")
-    tx = optax.adamw(1e-3)
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    tx, step = _adamw_step(loss_fn)
     x = jax.random.randint(jax.random.key(1), (16, 64), 0, 256)
     args = (params, tx.init(params), x, jnp.roll(x, -1, axis=1))
     moved, plans = {}, {}
