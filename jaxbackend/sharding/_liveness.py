@@ -8,9 +8,10 @@ read by a non-elementwise op or by more than `FUSE_MAX_USES` ops (an
 elementwise result read by one elementwise op is assumed fused into it);
 dead values and constants (broadcasts of literals, iota) are not. A
 temporary is live from the op that makes it to the last op that reads it;
-an op outside loops that reads only inputs, constants and such ops'
-results makes it at the start, where XLA:CPU schedules it (the stacks a
-rolled per-layer step copies its inputs into). Temporaries with the same layout keys and size form a group;
+an op outside loops that only moves data (no flops: a concatenate, a
+reshape) of inputs, constants and such ops' results makes it at the start,
+where XLA:CPU schedules it (the stacks a rolled per-layer step copies its
+inputs into). Temporaries with the same layout keys and size form a group;
 the result counts, per group, how many are live at each program point that
 may hold the peak (points dominated by another are dropped), so the peak
 under any plan is a max over a few rows of a matrix product. It leaves the
@@ -69,12 +70,14 @@ def liveness(g, var_keys, donated=()) -> Liveness:
     born = [-1] * len(g.shapes)
     early: set = set()
     for i, op in enumerate(g.ops):
-        # an op outside any loop that reads only inputs, constants and such
-        # ops' results is ready at the start, where XLA:CPU's scheduler puts
-        # it (measured: the stacks `reroll` concatenates from per-layer
-        # inputs all come first in the compiled schedule, though the
-        # optimizer reads some of them last)
-        at_start = op.mult == 1 and op.ins and all(born[v] < 0 or v in early for v, _ in op.ins)
+        # an op outside any loop that only moves data (flops 0) of inputs,
+        # constants and such ops' results is ready at the start, where
+        # XLA:CPU's scheduler puts it (measured: the stacks `reroll`
+        # concatenates from per-layer inputs all come first in the compiled
+        # schedule, though the optimizer reads some of them last). Not
+        # arithmetic on inputs (a cast of the weights): measured nowhere.
+        at_start = (op.mult == 1 and op.flops == 0 and op.ins
+                    and all(born[v] < 0 or v in early for v, _ in op.ins))
         for v, _ in op.outs:
             born[v] = 0 if at_start else i
             if at_start:
