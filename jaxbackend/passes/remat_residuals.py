@@ -161,21 +161,19 @@ def _plan(f: _Forward, b_eqn, uses, live):
                 continue
             budget = [sum(_nbytes(o.aval) for o in outs)]
 
-            def leaf_ok(v):
-                if v in kept:
-                    return True
-                src = f.const_in.get(v, f.xs_in.get(v))
-                if src is None:
-                    return False
+            def within_budget(src):
                 if _jax.is_var(src) and src not in b_live:
                     budget[0] -= _nbytes(src.aval)   # its life extends to B
                 return budget[0] > 0
 
-            def const_ok(v):
-                src = f.const_in[v]
-                if _jax.is_var(src) and src not in b_live:
-                    budget[0] -= _nbytes(src.aval)   # its life extends to B
-                return budget[0] > 0
+            def leaf_ok(v):          # recomputed in B: kept ys are read there too
+                if v in kept:
+                    return True
+                src = f.const_in.get(v, f.xs_in.get(v))
+                return src is not None and within_budget(src)
+
+            def const_ok(v):         # hoisted: reads F's const operand itself
+                return within_budget(f.const_in[v])
 
             positions = [p for o in outs for p in read[o]]
             ok = (all(uses.get(o, 0) == len(read[o]) for o in outs)
@@ -188,7 +186,7 @@ def _plan(f: _Forward, b_eqn, uses, live):
                 drop.update((p, y) for p in positions)
                 eqns.update((id(c), c) for c in chain)
                 continue
-            budget = [sum(_nbytes(o.aval) for o in outs)]
+            budget[0] = sum(_nbytes(o.aval) for o in outs)   # afresh for the other try
             chain = f.invariant(y, const_ok)
             if chain is None:
                 kept[y] = outs[0]
