@@ -98,7 +98,7 @@ MODELS = {   # GPTConfig fields beyond depth and width, per --model (dims["arch"
 
 
 def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str = "gpt",
-           kv_heads: int | None = None):
+           kv_heads: int | None = None, vocab: int | None = None):
     import jax
     import jax.numpy as jnp
     import optax
@@ -107,8 +107,9 @@ def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str =
     from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
 
+    model_kw = dict(MODELS[arch], **({} if vocab is None else {"vocab_size": vocab}))
     cfg = GPTConfig(seq_len=seq, n_layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
-                    **MODELS[arch])
+                    **model_kw)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     tx = optax.adamw(1e-3)

@@ -53,7 +53,7 @@ import numpy as np
 
 from jaxbackend.sharding._breakdown import Collective, Cost
 from jaxbackend.sharding._graph import REPLICATED
-from jaxbackend.sharding._liveness import fused_values, liveness
+from jaxbackend.sharding._liveness import fused_values, liveness, packed_peak
 from jaxbackend.sharding._op_facts import latency_shares, traffic
 from jaxbackend.sharding._ring import KINDS as KINDS
 from jaxbackend.sharding._ring import ring_time
@@ -147,7 +147,8 @@ class CostModel:
             c[1] += 1
         self.gather_groups = [GatherGroup(*gk, m, n) for gk, (m, n) in groups.items()]
         given = [v for v, d in zip(g.invars, donated) if d]
-        self.fixed_groups, self.mem_groups, self.mem_points = liveness(g, self.var_keys, given)
+        self.liveness = liveness(g, self.var_keys, given)
+        self.fixed_groups, self.mem_groups, self.mem_points = self.liveness[:3]
 
     # -- layouts ---------------------------------------------------------------
     def layout(self, keys, masks) -> list:
@@ -394,6 +395,12 @@ class CostModel:
         k = "all-gather"
         times[k], nbytes[k], counts[k] = times[k] + tg, nbytes[k] + bg, counts[k] + ng
         fixed, temp = self.memory(masks, extras)
+        # one plan: its temporaries placed in result buffers not yet written
+        # (`packed_peak`); the search's bound above never less (conservative)
+        fixed_t, weights, live, transient = self.memory_terms(masks, extras)
+        if live:
+            temp = temp - np.max(self.mem_points @ np.asarray(live, float)) + packed_peak(
+                self.liveness, live, fixed_t)
         # counts: shares of combined all-reduces summed (1/3 * 6 is 2, not 1.9999999999999998)
         colls = {k: Collective(float(times[k]), float(nbytes[k]), round(float(counts[k]), 9))
                  for k in KINDS}

@@ -115,6 +115,8 @@ class Graph:
     key_size: tuple        # key -> shardable size
     key_alias: Mapping     # name of a merged dim -> key of its major factor
     loop_state: frozenset = frozenset()   # vars a `while` carries in or out (held buffers)
+    # stacked scan result -> index of the first op of its loop (written from the first trip)
+    stacked_from: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def n_classes(self) -> int:
@@ -141,6 +143,7 @@ class Builder:
         self.uses: list = []         # var -> index of last op reading it
         self.pinned: set = set()     # vars that are always materialised (scan results)
         self.loop_state: set = set()  # vars a `while` carries in or out
+        self.stacked_from: dict = {}  # stacked scan result -> op index its loop starts at
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
@@ -297,7 +300,8 @@ class Builder:
         return Graph(
             shapes=tuple(self.shapes), itemsize=tuple(self.itemsize), ops=ops,
             uses=tuple(self.uses), invars=tuple(invars), outvars=tuple(outvars),
-            pinned=frozenset(self.pinned), loop_state=frozenset(self.loop_state), env=env,
+            pinned=frozenset(self.pinned), loop_state=frozenset(self.loop_state),
+            stacked_from=dict(self.stacked_from), env=env,
             var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),

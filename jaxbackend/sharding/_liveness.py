@@ -7,7 +7,8 @@ results, the state a `while` carries in and out, and of elementwise ops
 read by a non-elementwise op or by more than `FUSE_MAX_USES` ops (an
 elementwise result read by one elementwise op is assumed fused into it);
 dead values and constants (broadcasts of literals, iota) are not. A
-temporary is live from the op that makes it to the last op that reads it;
+temporary is live from the op that makes it to the last op that reads it
+(a stacked scan result from its loop's first trip, which writes into it);
 an op outside loops that only moves data (no flops: a concatenate, a
 reshape) of inputs, constants and such ops' results makes it at the start,
 where XLA:CPU schedules it (the stacks a rolled per-layer step copies its
@@ -21,6 +22,11 @@ Arguments and results are held for the whole step, except that a result
 reuses the buffer of a donated argument (`jax.jit(donate_argnums=)`) of
 the same size and layout keys, as XLA's input/output aliasing does (same
 shape, dtype and sharding): such a result costs nothing more.
+
+For the one plan a `Plan` reports (`packed_peak`), temporaries that fit
+go into result buffers not yet written, as XLA's buffer assignment puts
+them; the search's peak (the matrix product) leaves them out, so it is
+never below the reported one: a memory budget it meets is met.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class Liveness(NamedTuple):
     fixed_groups: list      # (keys, nbytes) of each argument and of each result not aliased
     mem_groups: list        # (keys, nbytes) of each group of temporaries
     mem_points: np.ndarray  # program points x groups: temporaries live
+    temps: list             # (group, born, last read) per temporary
+    results: list           # (index in fixed_groups, born) per result with a buffer of its own
 
 
 def fused_values(g) -> set:
@@ -79,7 +87,7 @@ def liveness(g, var_keys, donated=()) -> Liveness:
         at_start = (op.mult == 1 and op.flops == 0 and op.ins
                     and all(born[v] < 0 or v in early for v, _ in op.ins))
         for v, _ in op.outs:
-            born[v] = 0 if at_start else i
+            born[v] = 0 if at_start else g.stacked_from.get(v, i)
             if at_start:
                 early.add(v)
     # a `while`'s state is held in buffers for the loop (even one that runs
@@ -89,6 +97,8 @@ def liveness(g, var_keys, donated=()) -> Liveness:
     groups: dict = {}
     fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins]
     free: dict = {}   # (keys, nbytes) -> donated buffers no result reuses yet
+    own_results: list = []   # results with a buffer of their own
+    results: list = []
     for v in donated:
         free.setdefault((var_keys[v], g.nbytes(v)), []).append(v)
     for v in dict.fromkeys(w for w in g.outvars if w is not None and w not in ins):
@@ -97,15 +107,23 @@ def liveness(g, var_keys, donated=()) -> Liveness:
             free[gk].pop()   # written into a donated argument's buffer
         else:
             fixed_groups.append(gk)
-    events = []
+            own_results.append(v)
+            results.append((len(fixed_groups) - 1, v))
+    written_over = _written_over(g, fused, own_results, born)
+    # a result written over an operand holds its buffer from the operand's birth
+    since = {v: born[u] for u, v in written_over.items()}
+    results = [(i, since.get(v, born[v])) for i, v in results]
+    events, temps = [], []
     for v in range(len(g.shapes)):
-        if v in ins or v in outs or born[v] < 0 or v in fused or not g.shapes[v]:
+        if (v in ins or v in outs or born[v] < 0 or v in fused or not g.shapes[v]
+                or v in written_over):
             continue
         end = max(g.uses[v], born[v])
         gk = (var_keys[v], g.nbytes(v))
         j = groups.setdefault(gk, len(groups))
         events.append((born[v], 1, j))
         events.append((end + 1, -1, j))
+        temps.append((j, born[v], end))
     events.sort()
     count = np.zeros(len(groups))
     i = 0
@@ -126,4 +144,75 @@ def liveness(g, var_keys, donated=()) -> Liveness:
     for r in rows:
         if not (keep >= r).all(axis=1).any():
             keep = np.vstack([keep, r])
-    return Liveness(fixed_groups, list(groups), keep if len(keep) else np.zeros((1, len(groups))))
+    return Liveness(fixed_groups, list(groups), keep if len(keep) else np.zeros((1, len(groups))),
+                    temps, results)
+
+
+def _written_over(g, fused, results, born) -> dict:
+    """The temporaries XLA writes one of `results` over: a result made by an
+    element-wise fusion outside loops (its op and the elementwise ops
+    fused into it) takes the buffer of an operand of the fusion that is a
+    temporary of the same dim classes (so the same shape and layout under
+    any plan) read last there: XLA's buffer sharing of an elementwise
+    fusion with an operand that dies in it, result buffers included
+    (measured: the stacked gradients a rolled AdamW step's update reads
+    take no temporary memory). One operand per result: {operand: result}."""
+    made = {v: i for i, op in enumerate(g.ops) for v, _ in op.outs}
+    ins, outs = set(g.invars), set(g.outvars)
+    taken: dict = {}
+    for v in results:
+        root = made.get(v)
+        if root is None or g.ops[root].kind != "map" or g.ops[root].mult != 1:
+            continue
+        region, todo, found = set(), [root], []
+        while todo:           # the fusion: ops whose results are fused into v's
+            j = todo.pop()
+            region.add(j)
+            for w, _ in g.ops[j].ins:
+                k = made.get(w)
+                if w is None or k is None:
+                    continue
+                if w in fused and g.ops[k].kind == "map":
+                    todo.append(k)
+                elif (w not in ins and w not in outs and w not in taken and born[w] >= 0
+                      and g.var_classes[w] == g.var_classes[v]
+                      and g.itemsize[w] == g.itemsize[v]):
+                    found.append(w)
+        w = next((w for w in found if g.uses[w] in region), None)
+        if w is not None:
+            taken[w] = v
+    return taken
+
+
+def packed_peak(lv: Liveness, live, fixed) -> float:
+    """The peak bytes of temporaries outside result buffers, for one plan
+    (`live`: bytes per device per temporary group, `fixed`: per fixed
+    group). A result's buffer is free until the result is written, and
+    XLA's buffer assignment puts earlier temporaries in it: each
+    temporary, largest first, goes into the first result buffer at least
+    as large that is written after the temporary's last read and holds no
+    temporary live at the same time, else into the temporary heap, whose
+    peak this returns (measured: a stacked step's residuals that fit its
+    parameter stacks take no temporary memory; a per-layer step's, larger
+    than any one result, take their whole size). Without results to use,
+    it is the peak of `mem_points @ live`."""
+    slots = sorted(((float(fixed[i]), b, []) for i, b in lv.results), key=lambda s: -s[0])
+    events = []
+    for j, b, e in sorted(lv.temps, key=lambda t: -float(live[t[0]])):
+        size = float(live[j])
+        slot = None
+        for cap, written, used in slots:
+            if cap < size:
+                break
+            if written > e and not any(b <= e2 and b2 <= e for b2, e2 in used):
+                slot = used
+                break
+        if slot is not None:
+            slot.append((b, e))
+        else:
+            events += [(b, size), (e + 1, -size)]
+    peak = cur = 0.0
+    for _, d in sorted(events):
+        cur += d
+        peak = max(peak, cur)
+    return peak

@@ -113,6 +113,7 @@ def _walk(b, jaxpr, env, mult):
 
 def _scan(b, eqn, ins, mult):
     body, nc, nk, length, _ = _jax.scan_parts(eqn)
+    start = len(b.ops)   # a stacked result's buffer is written from the first trip on
     inner_ins = []
     for i, v in enumerate(ins):
         if i < nc + nk or v is None:
@@ -154,6 +155,7 @@ def _scan(b, eqn, ins, mult):
             b.ops.append(Op("map", mult, b.shapes[w], tuple((w, a) for a in range(n)), ins_map,
                             ((w, tuple(range(n))),), (), 0.0))
             b.pinned.add(w)
+            b.stacked_from[w] = start
             result.append(w)
     for i in range(nk):   # carry in and out are the same dims
         if ins[nc + i] is not None and result[i] is not None:
