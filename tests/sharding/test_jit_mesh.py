@@ -3,6 +3,7 @@ devices: the same object and extras as without a mesh, static arguments
 (plans per static value), donated params and optimizer state, and given
 in/out shardings checked against the plan."""
 
+import logging
 import re
 
 import jax
@@ -206,6 +207,37 @@ def test_memory_model_puts_a_stacked_steps_residuals_in_its_result_buffers(mesh)
     compiled = f.lower(params, tx.init(params), x, jnp.roll(x, -1, axis=1)).compile()
     measured = sharding.hlo_memory(compiled)["total"]
     assert f.plan.cost.memory == pytest.approx(measured, rel=0.1)
+
+
+def _xla_compiles(caplog, f, calls) -> int:
+    """How many XLA compilations `calls()` starts for jit function `f`."""
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        calls()
+    return sum(f"Finished XLA compilation of jit({f.__name__})" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_arguments_placed_by_the_plan_compile_once(mesh, caplog):
+    # the README's recipe: plan (lower) first and place the arguments; the
+    # step's results come back laid out as its arguments, so no call after
+    # the first compiles again. Unplaced, the second call does.
+    args = _args()
+
+    def three_steps(f, args):
+        def run():
+            params, mom = args[:2]
+            for _ in range(3):
+                _, params, mom = f(params, mom, *args[2:], 0.1)
+        return run
+
+    unplaced = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,))
+    assert _xla_compiles(caplog, unplaced, three_steps(unplaced, args)) == 2
+    placed = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,))
+    placed.lower(*args, 0.1)
+    args = jax.device_put(args, placed.plan.shardings(args))
+    assert _xla_compiles(caplog, placed, three_steps(placed, args)) == 1
+    assert placed.trace_count == 1
 
 
 def test_given_shardings_must_agree_with_the_plan(mesh):
