@@ -6,13 +6,14 @@ of its own (a fresh JAX: no cache shared between points), in interleaved
 order, and reports the median of `--repeat` processes.
 
 * `depth`: trace + passes + search + lower + compile seconds against layers
-  on a (2, 4) mesh, embd 128, 4 heads, seq 256, batch 64, three ways:
+  on a (2, 4) mesh, embd 128, 4 heads, seq 256, batch 64, four ways:
   `jb.jit(step, mesh=)` (searched plan), the same with the params from
   `nn.functional(model, "loss", stacked=True)` (`jb.stack_layers`: the same
   for-loop, per-layer weights and optimizer state kept stacked across
   calls), `jb.jit(step)` without a mesh (layers rolled into scan, one
   device), and `jax.jit` on inputs placed with hand Megatron rules
-  (unrolled). The AdamW state is made before the clock starts, in every
+  (unrolled); for scale, `jax.make_jaxpr` of the per-layer step alone.
+  The AdamW state is made before the clock starts, in every
   column (an eager init is none of the stages timed). Targets: the mesh
   columns at 32 layers <= 1.5x their 4-layer figure, and <= the hand-rules
   column at every depth >= 8.
@@ -147,6 +148,9 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     # the hand column makes it placed like the params, below
     opt_state = None if kind == "hand" else tx.init(params)
     t0 = time.perf_counter()
+    if kind == "trace":         # the step traced by JAX, nothing else: a floor under every
+        jax.make_jaxpr(step)(params, opt_state, x, y)   # per-layer column (jb.jit traces once)
+        return {"seconds": time.perf_counter() - t0}
     if kind == "rolled":        # one device, no mesh: the pass pipeline rolls the layers
         compiled = jb.jit(step).lower(params, opt_state, x, y).compile()
     elif kind == "hand":        # plain jax.jit on inputs placed by the rules (unrolled)
@@ -207,7 +211,8 @@ def spawn(kind: str, layers: int, mesh_shape: tuple, rules: str, dims: dict,
 
 def depth_table(depths, repeat: int, dims: dict) -> tuple[list, dict]:
     cols = [("searched", "search", (2, 4)), ("stacked", "search", (2, 4)),
-            ("rolled", "search", (2, 4)), ("hand", "megatron", (2, 4))]
+            ("rolled", "search", (2, 4)), ("hand", "megatron", (2, 4)),
+            ("trace", "search", (2, 4))]
     runs = {(c, d): [] for c, _, _ in cols for d in depths}
     for _ in range(repeat):            # interleaved: load hits every column alike
         for d in depths:
@@ -216,12 +221,13 @@ def depth_table(depths, repeat: int, dims: dict) -> tuple[list, dict]:
     med = {k: statistics.median(v) for k, v in runs.items()}
     rows = ["| layers | `jb.jit(mesh=)` searched (s) | `jb.jit(mesh=)` searched, stacked params (s) | "
             "`jb.jit` no mesh, rolled (s) | `jax.jit` Megatron rules, unrolled (s) | "
-            "searched / hand | stacked / hand |", "|---|---|---|---|---|---|---|"]
+            "searched / hand | stacked / hand | `jax.make_jaxpr` of the per-layer step (s) |",
+            "|---|---|---|---|---|---|---|---|"]
     for d in depths:
         rows.append(f"| {d} | {med[('searched', d)]:.2f} | {med[('stacked', d)]:.2f} | "
                     f"{med[('rolled', d)]:.2f} | {med[('hand', d)]:.2f} | "
                     f"{med[('searched', d)] / med[('hand', d)]:.2f} | "
-                    f"{med[('stacked', d)] / med[('hand', d)]:.2f} |")
+                    f"{med[('stacked', d)] / med[('hand', d)]:.2f} | {med[('trace', d)]:.2f} |")
     return rows, med
 
 
@@ -295,6 +301,11 @@ def verdicts(med, depths, found, timed=()) -> list:
             if worst is not None:
                 out.append(f"- {col} column / hand rules, worst depth >= 8 = {worst:.2f} "
                            f"(target <= 1): {'MET' if worst <= 1 else 'MISSED'}")
+        grow = med[("trace", hi)] - med[("trace", lo)]
+        out.append(f"- for scale: JAX's trace of the per-layer step alone takes {grow:.2f} s more "
+                   f"at {hi} layers than at {lo} ({med[('trace', lo)]:.2f} -> "
+                   f"{med[('trace', hi)]:.2f} s), which every per-layer column pays, hand "
+                   f"rules included")
     if found:
         groups = {}
         for d, mesh, name, total, warn, pred, meas in found:
