@@ -3,7 +3,8 @@ live at once: the memory half of the cost model (`_cost`).
 
 Precondition: a finished `_graph.Graph` and the layout keys of its
 variables. Materialised: outputs of contractions, reductions, stacked scan
-results, the state a `while` carries in and out, and of elementwise ops
+results, the state a loop carries in and out (a `while`'s; a scan's consts,
+carry and whole xs, held to its last trip), and of elementwise ops
 read by a non-elementwise op or by more than `FUSE_MAX_USES` ops (an
 elementwise result read by one elementwise op is assumed fused into it);
 dead values and constants (broadcasts of literals, iota) are not. A

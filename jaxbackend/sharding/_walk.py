@@ -135,6 +135,13 @@ def _scan(b, eqn, ins, mult):
             inner_ins.append(w)
             b.uses[v] = len(b.ops)
     outs = _inline(b, body, inner_ins, mult * int(length))
+    # to XLA a scan is a `while` over all its operands: each (a const, the
+    # carry, the whole xs) is a buffer made before the loop and held to its
+    # last trip (`_liveness`), whatever the body reads of it
+    for v in ins:
+        if v is not None:
+            b.uses[v] = max(b.uses[v], len(b.ops) - 1)
+            b.loop_state.add(v)
     result = []
     for i, (x, v) in enumerate(zip(eqn.outvars, outs)):
         if i < nk:
