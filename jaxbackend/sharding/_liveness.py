@@ -197,7 +197,8 @@ def packed_peak(lv: Liveness, live, fixed) -> float:
     parameter stacks take no temporary memory; a per-layer step's, larger
     than any one result, take their whole size). Without results to use,
     it is the peak of `mem_points @ live`."""
-    slots = sorted(((float(fixed[i]), b, []) for i, b in lv.results), key=lambda s: -s[0])
+    slots: list[tuple[float, int, list]] = sorted(
+        ((float(fixed[i]), b, []) for i, b in lv.results), key=lambda s: -s[0])
     events = []
     for j, b, e in sorted(lv.temps, key=lambda t: -float(live[t[0]])):
         size = float(live[j])

@@ -45,6 +45,7 @@ import pathlib
 import shutil
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -277,7 +278,11 @@ def _try_restore(step_dir: pathlib.Path, targets: list) -> tuple:
         # The first sentence: tensorstore appends pages of details.
         first = (str(e).strip().split(". ")[0].splitlines() or [type(e).__name__])[0]
         reason = textwrap.shorten(first, 120, placeholder=" ...")
-    gc.collect()  # the suspended reads report now, not at some later line of output
+    with warnings.catch_warnings():
+        # reads the failed restore never started are collected unawaited
+        # (seen under load: orbax's metadata read), a RuntimeWarning each
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+        gc.collect()  # the suspended reads report now, not at some later line of output
     return None, reason
 
 
