@@ -322,9 +322,11 @@ class CostModel:
         live = [nb / self._shard(self.layout(keys, masks)) for keys, nb in self.mem_groups]
         return fixed, weights, live, transient
 
-    def memory(self, masks, extras=None):
+    def memory(self, masks, extras=None, packed: bool = False):
         """Bytes per device under each plan: (args+results, peak temporaries
-        + gathered copies)."""
+        + gathered copies). `packed` (one plan, scalar masks): temporaries
+        placed in result buffers not yet written (`packed_peak`), never more
+        than the search's matrix-product peak."""
         if extras is None:
             extras = self.extras(masks)
         fixed_t, weights, live, transient = self.memory_terms(masks, extras)
@@ -338,6 +340,8 @@ class CostModel:
         gathered = gathered + other
         if not live:
             return fixed, gathered + fixed * 0.0
+        if packed:
+            return fixed, packed_peak(self.liveness, live, fixed_t) + gathered
         shape = np.broadcast(*[np.asarray(x) for x in live]).shape
         mat = np.stack([np.broadcast_to(x, shape) for x in live])       # groups x N
         temp = (self.mem_points @ mat.reshape(len(live), -1)).max(axis=0).reshape(shape)
@@ -394,13 +398,7 @@ class CostModel:
         total = total + tg
         k = "all-gather"
         times[k], nbytes[k], counts[k] = times[k] + tg, nbytes[k] + bg, counts[k] + ng
-        fixed, temp = self.memory(masks, extras)
-        # one plan: its temporaries placed in result buffers not yet written
-        # (`packed_peak`); the search's bound above never less (conservative)
-        fixed_t, weights, live, transient = self.memory_terms(masks, extras)
-        if live:
-            temp = temp - np.max(self.mem_points @ np.asarray(live, float)) + packed_peak(
-                self.liveness, live, fixed_t)
+        fixed, temp = self.memory(masks, extras, packed=True)
         # counts: shares of combined all-reduces summed (1/3 * 6 is 2, not 1.9999999999999998)
         colls = {k: Collective(float(times[k]), float(nbytes[k]), round(float(counts[k]), 9))
                  for k in KINDS}

@@ -98,8 +98,7 @@ def liveness(g, var_keys, donated=()) -> Liveness:
     groups: dict = {}
     fixed_groups = [(var_keys[v], g.nbytes(v)) for v in ins]
     free: dict = {}   # (keys, nbytes) -> donated buffers no result reuses yet
-    own_results: list = []   # results with a buffer of their own
-    results: list = []
+    results: list = []   # (index in fixed_groups, var) per result with a buffer of its own
     for v in donated:
         free.setdefault((var_keys[v], g.nbytes(v)), []).append(v)
     for v in dict.fromkeys(w for w in g.outvars if w is not None and w not in ins):
@@ -108,9 +107,8 @@ def liveness(g, var_keys, donated=()) -> Liveness:
             free[gk].pop()   # written into a donated argument's buffer
         else:
             fixed_groups.append(gk)
-            own_results.append(v)
             results.append((len(fixed_groups) - 1, v))
-    written_over = _written_over(g, fused, own_results, born)
+    written_over = _written_over(g, fused, [v for _, v in results], born)
     # a result written over an operand holds its buffer from the operand's birth
     since = {v: born[u] for u, v in written_over.items()}
     results = [(i, since.get(v, born[v])) for i, v in results]
