@@ -316,11 +316,13 @@ def bind_eqn(eqn, invals):
 # bind under the equation's context manager) with a callback, used to place
 # `with_sharding_constraint` on named intermediates.
 
-def eval_jaxpr_hooked(jaxpr, consts, args, hook, enter=None):
+def eval_jaxpr_hooked(jaxpr, consts, args, hook, enter=None, instead=None):
     """Evaluate `jaxpr`; `hook(eqn, outs) -> outs` runs after each equation.
     A `scan` equation for which `enter(eqn)` is true is bound with its body
     re-traced through this evaluator, so the hook runs inside the body too
-    (once per body equation, at trace time; the loop stays a loop)."""
+    (once per body equation, at trace time; the loop stays a loop).
+    `instead(eqn, invals)`, where it returns a list, gives the equation's
+    outputs in place of binding it."""
     env = {}
 
     def read(v):
@@ -330,20 +332,24 @@ def eval_jaxpr_hooked(jaxpr, consts, args, hook, enter=None):
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if enter is not None and eqn.primitive.name == "scan" and enter(eqn):
-            outs = _scan_hooked(eqn, invals, hook, enter)
+        outs = None if instead is None else instead(eqn, invals)
+        if outs is not None:
+            pass
+        elif enter is not None and eqn.primitive.name == "scan" and enter(eqn):
+            outs = _scan_hooked(eqn, invals, hook, enter, instead)
         else:
             outs = bind_eqn(eqn, invals)
         env.update(zip(eqn.outvars, hook(eqn, outs)))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan_hooked(eqn, invals, hook, enter):
+def _scan_hooked(eqn, invals, hook, enter, instead=None):
     body, n_consts, n_carry, length, reverse = scan_parts(eqn)
     inner, inner_consts = jaxpr_parts(body)
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
              for v in inner.invars]
-    new = jax.make_jaxpr(lambda *xs: eval_jaxpr_hooked(inner, inner_consts, xs, hook, enter))(
+    new = jax.make_jaxpr(lambda *xs: eval_jaxpr_hooked(inner, inner_consts, xs, hook, enter,
+                                                     instead))(
         *specs)
     return list(scan_bind(new, invals, length=length, reverse=reverse, n_consts=n_consts,
                           n_carry=n_carry))

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxbackend import _jax
+from jaxbackend.passes import _stacks
 from jaxbackend.passes import pipeline as _pipeline
 
 UNSPECIFIED = object()   # in_shardings / out_shardings not given
@@ -107,10 +108,16 @@ def _check_agrees(arg, what, given, tree, specs, plan) -> None:
 def run_planned(plan, leaves) -> list:
     """Evaluate the plan's program on `leaves` with its layouts pinned: a
     sharding constraint on every input, every output and every top-level
-    contraction (XLA's propagation fills in the rest)."""
+    contraction (XLA's propagation fills in the rest); stacks of sharded
+    per-layer values built on a new axis (`Plan.stack_eqns`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
     cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
-    entered = _scans_holding(closed.jaxpr, cons)
+    stacks = plan.stack_eqns()
+    entered = _scans_holding(closed.jaxpr, set(cons) | stacks)
+
+    def instead(eqn, invals):
+        # a stack of sharded parts: on a new axis (`Plan.stack_eqns`)
+        return [_stacks.stack_new_axis(invals)] if eqn in stacks else None
 
     def hook(eqn, outs):
         s = cons.get(eqn)
@@ -118,7 +125,7 @@ def run_planned(plan, leaves) -> list:
 
     ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
     outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
-                                  enter=entered.__contains__)
+                                  enter=entered.__contains__, instead=instead)
     return [wsc(y, plan.sharding(s)) for y, s in zip(outs, plan.out_specs())]
 
 

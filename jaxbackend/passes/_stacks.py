@@ -31,6 +31,15 @@ def stack(xs):
     return lax.concatenate(list(xs), 0).reshape((len(xs),) + shape)
 
 
+def stack_new_axis(xs):
+    """jnp.stack(xs) as one concatenate of the parts on a new leading axis:
+    each part keeps its layout under a mesh (`stack` merges its rows with the
+    layer axis, which XLA must reshard where the parts' leading dim is
+    sharded); one more op per part to compile, so only where that matters
+    (`sharding.Plan.stack_eqns`)."""
+    return lax.concatenate([lax.expand_dims(x, (0,)) for x in xs], 0)
+
+
 def unstack_one(arr, i):
     """arr[i] for a runtime scalar i: one dynamic_slice and a reshape (which
     XLA makes a bitcast; lax.dynamic_index_in_dim would add a nested jit).

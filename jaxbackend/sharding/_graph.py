@@ -117,6 +117,8 @@ class Graph:
     loop_state: frozenset = frozenset()   # vars a `while` carries in or out (held buffers)
     # stacked scan result -> index of the first op of its loop (written from the first trip)
     stacked_from: Mapping = dataclasses.field(default_factory=dict)
+    # concatenates that are stacks (`_op_dims._unstack_split`): parts on a new axis
+    stacks: frozenset = frozenset()
 
     @property
     def n_classes(self) -> int:
@@ -147,7 +149,8 @@ class Builder:
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
-        self.stack_parts: dict = {}    # var -> equal-shaped operands concatenated on axis 0
+        self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
+        self.stacks: set = set()       # of those, the ones a reshape splits into a stack
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int) -> int:
@@ -301,7 +304,7 @@ class Builder:
             shapes=tuple(self.shapes), itemsize=tuple(self.itemsize), ops=ops,
             uses=tuple(self.uses), invars=tuple(invars), outvars=tuple(outvars),
             pinned=frozenset(self.pinned), loop_state=frozenset(self.loop_state),
-            stacked_from=dict(self.stacked_from), env=env,
+            stacked_from=dict(self.stacked_from), stacks=frozenset(self.stacks), env=env,
             var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),

@@ -138,6 +138,35 @@ class Plan:
                 stack.extend(_jax.sub_jaxprs(e))
         return out
 
+    def stack_eqns(self) -> set:
+        """The `concatenate` equations of `closed` (in scan bodies too) that
+        stack per-layer values (`_op_dims._unstack_split`) whose leading dim
+        the plan shards, and whose one reader is the reshape into the stack.
+        `run_planned` builds these on a new leading axis: each part keeps its
+        layout (as one concatenate of the merged rows, every part would be
+        resharded), and the reshape that follows changes nothing. The others
+        stay one concatenate of the parts, the cheaper program to compile."""
+        g, env, found = self.model.g, self.model.g.env, set()
+        todo = [self.closed.jaxpr]
+        while todo:
+            j = todo.pop()
+            readers: dict = {}
+            for e in j.eqns:
+                for v in e.invars:
+                    if _jax.is_var(v):
+                        readers.setdefault(v, []).append(e)
+                todo.extend(_jax.sub_jaxprs(e))
+            results = {v for v in j.outvars if _jax.is_var(v)}
+            for e in j.eqns:
+                v = e.outvars[0] if e.primitive.name == "concatenate" else None
+                if v is None or env.get(v) not in g.stacks or v in results:
+                    continue
+                r = readers.get(v, [])
+                if (len(r) == 1 and r[0].primitive.name == "reshape"
+                        and self.spec(env[e.invars[0]])[0] is not None):
+                    found.add(e)
+        return found
+
     def shardings(self, args):
         """A pytree like `args` with a NamedSharding per array leaf."""
         leaves, tree = jax.tree.flatten(args)

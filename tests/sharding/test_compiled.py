@@ -123,3 +123,45 @@ def test_scanned_layers_numerics_collectives_and_memory(block, mesh24):
     p = sum(f.plan.cost.collective(k).bytes for k in KINDS)
     assert p == pytest.approx(h, rel=0.25)
     assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.25)
+
+
+def _per_layer_mlp(n_layers=8, d=16, h=64, batch=16):
+    """The gradient of a residual MLP over a list of per-layer weight dicts
+    (plain jnp: the dims are named after their argument paths)."""
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(0), 2 * n_layers + 1)
+    params = [{"w1": jax.random.normal(ks[2 * i], (d, h)) / d ** 0.5,
+               "w2": jax.random.normal(ks[2 * i + 1], (h, d)) / h ** 0.5}
+              for i in range(n_layers)]
+
+    def loss(params, x):
+        for p in params:
+            x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+        return jnp.mean(x ** 2)
+
+    return jax.grad(loss), (params, jax.random.normal(ks[-1], (batch, d)))
+
+
+def test_rolled_stacks_keep_their_parts_sharded_leading_dim(mesh24, monkeypatch):
+    """`reroll` stacks the per-layer weights for its scan. Where the plan
+    shards a stacked weight's leading dim (w2: hidden x embd, hidden on
+    `model`), the stack is built on a new axis: no collective moves a
+    weight (one concatenate of the merged rows made XLA all-to-all every
+    w2 and its gradient), the model predicts no gather, and the values are
+    jax.jit's. The same plan with every stack merged shows the resharding."""
+    grad, args = _per_layer_mlp()
+    rules = {"args[0][0]['w1']:1": "model", "args[1]:0": "data"}
+    f = jb.jit(grad, mesh=mesh24, rules=rules)
+    comp = f.lower(*args).compile()
+    assert f.plan.stack_eqns(), "the w2 stack's leading dim is sharded"
+    hlo = _hlo.collectives(comp.as_text())
+    assert hlo["all-to-all"]["count"] == hlo["all-gather"]["count"] == 0, hlo
+    assert f.plan.cost.collective("all-gather").bytes == 0
+    testing.assert_close(comp(*args), jax.jit(grad)(*args),
+                         scale=lambda: testing.abs_scale(grad, *args), what="rolled MLP grads")
+
+    monkeypatch.setattr(sharding.Plan, "stack_eqns", lambda self: set())
+    merged = jb.jit(grad, mesh=mesh24, rules=rules).lower(*args).compile()
+    moved = _hlo.collectives(merged.as_text())
+    assert moved["all-to-all"]["count"] + moved["all-gather"]["count"] > 0, moved
