@@ -45,6 +45,7 @@ class Walk:
         self.run_at = {r.start: r for r in runs}
         self.max_repeats = max((r.repeats for r in runs), default=0)
         self.env = {}         # old var -> new atom, where they differ
+        self.joined = {}      # a join of one whole stack (`_joins_a_stack`) -> those entries
         self.stacked = {}     # old var -> (stack id, index): a per-block result
         self.stacks = []      # stack id -> atom of the stacked array
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
@@ -84,7 +85,7 @@ class Walk:
         return True
 
     def keep(self, eqn):
-        if self._joins_a_stack(eqn):
+        if self._joins_a_stack(eqn) or self._splits_a_join(eqn):
             return
         invars = [self.read(v) for v in eqn.invars]
         if any(a is not b for a, b in zip(invars, eqn.invars)):
@@ -94,6 +95,21 @@ class Walk:
             # a stacked input split into its layers (`jb.stack_layers`): the
             # scans read the input itself, not a copy stacked from the pieces
             self.register(invars[0], eqn.outvars, defined=True)
+
+    def _splits_a_join(self, eqn) -> bool:
+        """A row-major `reshape` of a whole stack's join (`_joins_a_stack`:
+        the stack reshaped to its merged rows) back to the stack's own type
+        (`jb.stack_layers`' gradient is such a join, split again into layers)
+        is the stack itself: an exact round trip, and the sharding model
+        would otherwise see a merge whose minor dim must be unsharded."""
+        if eqn.primitive.name != "reshape" or _jax.reshape_transposes(eqn):
+            return False
+        whole = self.joined.get(self.read(eqn.invars[0]))
+        if (whole is None or _jax.has_sharding_annotation(eqn)
+                or not _jax.same_aval(whole.aval, eqn.outvars[0].aval)):
+            return False
+        self.env[eqn.outvars[0]] = whole
+        return True
 
     def _joins_a_stack(self, eqn) -> bool:
         """A `concatenate` along axis 0 of per-layer values, L of which are
@@ -115,13 +131,15 @@ class Walk:
                 continue
             sid, i0, n = run
             shape = (n * vs[k].aval.shape[0],) + vs[k].aval.shape[1:]
-            pieces.append(self.b.emit(lambda a: a.reshape(shape), [self.entries(sid, i0, n)],
+            whole = self.entries(sid, i0, n)
+            pieces.append(self.b.emit(lambda a: a.reshape(shape), [whole],
                                       key=("reroll.join", shape))[0])
             k += n
         if len(pieces) == len(vs):
             return False                  # no run of stack entries: kept as it is
         if len(pieces) == 1:
             self.env[eqn.outvars[0]] = pieces[0]
+            self.joined[pieces[0]] = whole
         else:
             out = _jax.new_var(eqn.outvars[0].aval)
             self.b.append(eqn.replace(invars=pieces, outvars=[out]))

@@ -45,8 +45,9 @@ moments) are stacked, a copy per call like the weights.
 Layers kept stacked by the caller (`jb.stack_layers`) arrive as one input
 split into its entries: the scans read that input itself and the gradient
 rule's `concatenate` of the per-layer gradients reads the backward scan's
-stacked output (`_reroll_walk.Walk.keep`), so nothing is stacked or split by
-copying; such runs are rolled from 2 layers (`_Splicer._min_repeats`).
+stacked output (`_reroll_walk.Walk.keep`; the rule's reshape of that join
+back into layers is the stacked output itself), so nothing is stacked or
+split by copying; such runs are rolled from 2 layers (`_Splicer._min_repeats`).
 
 Precondition: a ClosedJaxpr (any; typically the flat jaxpr of a model or of
 its `value_and_grad`).
