@@ -97,53 +97,65 @@ class Walk:
             self.register(invars[0], eqn.outvars, defined=True)
 
     def _splits_a_join(self, eqn) -> bool:
-        """A row-major `reshape` of a whole stack's join (`_joins_a_stack`:
-        the stack reshaped to its merged rows) back to the stack's own type
-        (`jb.stack_layers`' gradient is such a join, split again into layers)
-        is the stack itself: an exact round trip, and the sharding model
-        would otherwise see a merge whose minor dim must be unsharded."""
+        """A row-major `reshape` of a join of layers (`_joins_a_stack`) back
+        into layers (`jb.stack_layers`' gradient is such a join, split
+        again) is the join's stack of layers itself: an exact round trip,
+        and the sharding model would otherwise see a merge of the layer axis
+        with the layers' leading dim, which must then be unsharded."""
         if eqn.primitive.name != "reshape" or _jax.reshape_transposes(eqn):
             return False
-        whole = self.joined.get(self.read(eqn.invars[0]))
-        if (whole is None or _jax.has_sharding_annotation(eqn)
-                or not _jax.same_aval(whole.aval, eqn.outvars[0].aval)):
+        layers = self.joined.get(self.read(eqn.invars[0]))
+        if (layers is None or _jax.has_sharding_annotation(eqn)
+                or not _jax.same_aval(layers.aval, eqn.outvars[0].aval)):
             return False
-        self.env[eqn.outvars[0]] = whole
+        self.env[eqn.outvars[0]] = layers
         return True
 
     def _joins_a_stack(self, eqn) -> bool:
         """A `concatenate` along axis 0 of per-layer values, L of which are
         entries i..i+L-1, in order, of one stack (the backward rule of
         `jb.stack_layers` joining the per-layer gradients a backward scan
-        returned stacked) reads those L as one slice of the stack, reshaped
-        (a bitcast): not L entries indexed out and copied back in. When one
-        stack gives every operand, the result is that stack, reshaped.
-        Same values exactly: the concatenate only moves them."""
+        returned stacked) reads those L as one slice of the stack: not L
+        entries indexed out and copied back in. When every operand is one
+        layer's value (same type), the join is built as a stack of layers
+        (the other operands on a new leading axis, the slices as they are;
+        the stack itself when one stack gives every operand) then reshaped to
+        the merged rows (a bitcast), and `_splits_a_join` reads the stack;
+        otherwise each slice is reshaped to rows and concatenated. Same
+        values exactly: the concatenate only moves them."""
         if (eqn.primitive.name != "concatenate" or len(eqn.invars) < 2
                 or _jax.concatenate_dimension(eqn) != 0 or not eqn.invars[0].aval.shape):
             return False
-        pieces, k, vs = [], 0, eqn.invars
+        items, k, vs = [], 0, eqn.invars   # (atom, whether a slice of a stack)
         while k < len(vs):
             run = self._stack_run(vs, k)
             if run is None:
-                pieces.append(self.read(vs[k]))
+                items.append((self.read(vs[k]), False))
                 k += 1
                 continue
             sid, i0, n = run
-            shape = (n * vs[k].aval.shape[0],) + vs[k].aval.shape[1:]
-            whole = self.entries(sid, i0, n)
-            pieces.append(self.b.emit(lambda a: a.reshape(shape), [whole],
-                                      key=("reroll.join", shape))[0])
+            items.append((self.entries(sid, i0, n), True))
             k += n
-        if len(pieces) == len(vs):
+        if len(items) == len(vs):
             return False                  # no run of stack entries: kept as it is
-        if len(pieces) == 1:
-            self.env[eqn.outvars[0]] = pieces[0]
-            self.joined[pieces[0]] = whole
-        else:
-            out = _jax.new_var(eqn.outvars[0].aval)
-            self.b.append(eqn.replace(invars=pieces, outvars=[out]))
+        merged = eqn.outvars[0].aval.shape
+        if all(_jax.same_aval(v.aval, vs[0].aval) for v in vs):
+            flags = tuple(f for _, f in items)
+            layers = items[0][0] if len(items) == 1 else self.b.emit(
+                lambda *xs: lax.concatenate(
+                    [x if f else lax.expand_dims(x, (0,)) for x, f in zip(xs, flags)], 0),
+                [a for a, _ in items], key=("reroll.join_layers", flags))[0]
+            out = self.b.emit(lambda a: a.reshape(merged), [layers],
+                              key=("reroll.join", merged))[0]
+            self.joined[out] = layers
             self.env[eqn.outvars[0]] = out
+            return True
+        pieces = [a if not f else self.b.emit(
+            lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), [a],
+            key=("reroll.rows",))[0] for a, f in items]
+        out = _jax.new_var(eqn.outvars[0].aval)
+        self.b.append(eqn.replace(invars=pieces, outvars=[out]))
+        self.env[eqn.outvars[0]] = out
         return True
 
     def _stack_run(self, vs, k):
