@@ -45,7 +45,7 @@ class Walk:
         self.run_at = {r.start: r for r in runs}
         self.max_repeats = max((r.repeats for r in runs), default=0)
         self.env = {}         # old var -> new atom, where they differ
-        self.joined = {}      # a join of one whole stack (`_joins_a_stack`) -> those entries
+        self.joined = {}      # a join's merged rows (`_joins_a_stack`) -> its stack of layers
         self.stacked = {}     # old var -> (stack id, index): a per-block result
         self.stacks = []      # stack id -> atom of the stacked array
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
