@@ -23,3 +23,8 @@ def block():
 @pytest.fixture(scope="session")
 def mesh24():
     return sharding.auto_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture(scope="session")
+def mesh42():
+    return sharding.auto_mesh((4, 2), ("data", "model"))

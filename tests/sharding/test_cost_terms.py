@@ -83,3 +83,40 @@ def test_searched_gpt_adamw_step_moves_no_more_bytes_than_data_parallel():
         text = f.lower(params, opt_state, x, y).compile().as_text()
         moved[name] = sum(v["bytes"] for v in sharding.hlo_collectives(text).values())
     assert moved["searched"] <= moved["dp"], moved
+
+
+def test_keeping_a_minor_mesh_axis_without_its_major_one_gathers_the_group():
+    """A dim sharded on (data, model) that an op needs on `model` alone: its
+    tiles are no slices of the joint ones (device (d, m) holds block 2d + m;
+    model-only wants blocks 4m .. 4m + 3), so XLA permutes devices and
+    gathers; the model charges a gather of the whole group. Dropping the
+    minor axis (keeping data) is a plain gather over model."""
+    from jaxbackend.sharding._cost import _reorders
+
+    t = _reorders(4)            # masks over (data = 1, model = 2)
+    assert t[3, 2] and not t[3, 1] and not t[3, 3] and not t[3, 0] and not t[2, 2]
+    t3 = _reorders(8)           # three axes
+    assert t3[7, 2] and t3[7, 6] and t3[7, 4] and t3[5, 4] and not t3[7, 3] and not t3[7, 1]
+
+
+def test_a_reordered_group_is_predicted_as_xla_gathers_it(mesh42):
+    import jax
+
+    from jaxbackend import named as nx
+    from jaxbackend.sharding import _hlo
+
+    def loss(p, x):
+        h = nx.gelu(nx.dot(x, p["w1"], dim="embd"))
+        y = nx.dot(h, p["w2"], dim="mlp")
+        return (y * y).values.mean()
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": nx.as_named(jax.random.normal(k1, (64, 256)), ("embd", "mlp")),
+         "w2": nx.as_named(jax.random.normal(k2, (256, 64)), ("mlp", "embd"))}
+    x = nx.as_named(jax.random.normal(k3, (32, 64)), ("batch", "embd"))
+    # batch takes data first, so h = x @ w1 keeps mlp on model alone
+    f = jb.jit(jax.value_and_grad(loss), mesh=mesh42,
+               rules={"batch": "data", "mlp": ("data", "model")})
+    hlo = _hlo.collectives(f.lower(p, x).compile().as_text())
+    moved = hlo["all-gather"]["bytes"] + hlo["collective-permute"]["bytes"]
+    assert f.plan.cost.collective("all-gather").bytes == pytest.approx(moved, rel=0.25)
