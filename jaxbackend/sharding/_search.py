@@ -51,9 +51,13 @@ TIME_LIMIT = 10.0            # seconds before the branch and bound gives way to 
 # small share of the step, for gathers in every layer: the GPT AdamW step on
 # a (2, 4) mesh did it to save 0.2% of modelled compute for 6x data
 # parallel's collective bytes; the LLaMA-style step (swiglu: three MLP
-# weights per layer) to save 1.3% for 2.9x. 3% puts both in the tie; ZeRO-
-# style sharding still wins where memory requires it or saves more.
-TOLERANCE = 0.03
+# weights per layer) to save 1.3% for 2.9x. Measured, the tie is wider: on a
+# GPT step whose weights outweigh its activations (embd 256, batch 16; stacked
+# params), plans modelled 2-4% faster than data parallel ran 0-17% slower in
+# three benchmark runs (BENCHMARKS.md). 5% puts these in the tie; ZeRO-style
+# sharding still wins where memory requires it or saves more (the same
+# model's per-layer step: modelled ~10% faster, measured 9-20% faster).
+TOLERANCE = 0.05
 
 
 def planned_keys(cm) -> set:
