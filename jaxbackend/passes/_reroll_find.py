@@ -86,9 +86,9 @@ def signatures(eqns, keys: _rewrite.StructuralKeys) -> list:
 def candidate_periods(sigs, weights, min_repeats: int) -> list:
     """Distances between consecutive equal signatures, best-covering first
     (coverage counted in weight, so one remat equation per layer counts as
-    the layer). A distance under MIN_BLOCK_EQNS stays a candidate only when
-    equations with sub-jaxprs repeat at it; `find_runs` checks each run's
-    block weight."""
+    the layer), then the periods at which sub-jaxpr equations repeat. A
+    distance under MIN_BLOCK_EQNS stays a candidate only when equations with
+    sub-jaxprs repeat at it; `find_runs` checks each run's block weight."""
     last: dict = {}
     hist: collections.Counter = collections.Counter()
     heavy: collections.Counter = collections.Counter()
@@ -101,7 +101,14 @@ def candidate_periods(sigs, weights, min_repeats: int) -> list:
     ok = [((c + heavy[d]) * d, d) for d, c in hist.items()
           if c >= max(1, min_repeats - 1) and (d >= MIN_BLOCK_EQNS or heavy[d])]
     ok.sort(key=lambda t: (-t[0], t[1]))
-    return [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
+    best = [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
+    # Periods at which layer calls (equations with sub-jaxprs) repeat, by the
+    # weight they repeat: a run of short-period calls (an encoder of jitted
+    # blocks, one equation each) next to a long unrolled region (a decoder
+    # whose blocks are inlined) scores far below that region's many partial
+    # periods above, and would be left out of the first list.
+    calls = sorted(((-heavy[d], d) for _, d in ok[MAX_PERIOD_CANDIDATES:] if heavy[d]))
+    return best + [d for _, d in calls[:MAX_PERIOD_CANDIDATES]]
 
 
 def periodic_regions(sigs, period: int, min_repeats: int):

@@ -42,6 +42,12 @@ which equations and why the values stay the same); only its results that
 something reads are indexed out. Per-layer inputs no stack holds (optimizer
 moments) are stacked, a copy per call like the weights.
 
+A value every layer reads (an encoder output under cross-attention) has its
+gradient summed over the backward layers, and JAX's backward pass starts that
+sum without an addition, so the first backward block is one equation short
+of the others: `_reroll_seed` starts the sum at -0.0 (bit-identical) so that
+block joins the run.
+
 Layers kept stacked by the caller (`jb.stack_layers`) arrive as one input
 split into its entries: the scans read that input itself and the gradient
 rule's `concatenate` of the per-layer gradients reads the backward scan's
@@ -72,7 +78,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.passes import _rewrite
+from jaxbackend.passes import _reroll_seed, _rewrite
 from jaxbackend.passes._reroll_find import find_runs
 from jaxbackend.passes._reroll_walk import RolledRun, Walk
 
@@ -91,6 +97,7 @@ class RerollStats:
     stacks_reused: int = 0         # per-block input lists read from an earlier stack
     vectorized: int = 0            # element-wise families applied once to stacks
     vectorized_eqns: int = 0       # the per-block equations those replaced
+    seeded_sums: int = 0           # cross-layer cotangent sums seeded (`_reroll_seed`)
 
     @property
     def repeats(self) -> list:
@@ -116,7 +123,8 @@ def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2, vectorize: bool = T
     _rewrite.record_stats({"reroll.runs": len(stats.runs),
                            "reroll.blocks_rolled": sum(stats.repeats),
                            "reroll.stacked_copies": stats.stacked_copies,
-                           "reroll.vectorized": stats.vectorized_eqns})
+                           "reroll.vectorized": stats.vectorized_eqns,
+                           "reroll.seeded_sums": stats.seeded_sums})
     return out, stats
 
 
@@ -166,6 +174,12 @@ class _Splicer:
         neither this jaxpr nor any sub-jaxpr changed."""
         min_repeats = self._min_repeats(jaxpr)
         runs = find_runs(jaxpr, min_repeats, self.keys)
+        seeded, n = _reroll_seed.seeded(jaxpr, runs)
+        if seeded is not None:
+            more = find_runs(seeded, min_repeats, self.keys)
+            if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
+                jaxpr, runs = seeded, more
+                self.stats.seeded_sums += n
         walk = Walk(jaxpr, runs, b, self.stats, self._subs,
                      min_repeats if self.vectorize else None)
         for i, eqn in walk.kept():
