@@ -1,5 +1,6 @@
-"""Seed cross-layer cotangent sums, so the first backward block is one more
-copy of the others (part of `passes.reroll`).
+"""Seeds for a run's first block: cross-layer gradient sums and literal
+initial values, so the block before a run is one more copy of the others
+(part of `passes.reroll`).
 
 A value that every layer reads but none makes (an encoder's output under
 cross-attention, a conditioning vector, a shared table) gets its gradient
@@ -10,18 +11,27 @@ others and is no copy of them: `find_runs` rolls the rest and leaves that
 block unrolled, and with it the last layer's weight gradients, which are then
 no entry of the backward scan's stack (so the optimizer tail is not
 vectorised either, `_reroll_vector`): compile time grows with depth again.
+The same happens forward when the user starts a sum over layers at a
+literal (`aux = 0.0`, then `aux = aux + layer_aux`): layer 0 adds to the
+literal, the others to the carry.
 
-`seed(jaxpr, runs, keys, min_repeats)` looks at each found run for a carry
-that block 0 updates as `add_any(carry, ·)` and whose initial value is an
-`add_any` chain (operand 0 the running sum) whose head, the first
-contribution, is made within one period before the run (the odd block). It
-rewrites that head `h` as `add_any(z, h)`, `z` a broadcast -0.0 made before
-everything, placed right after `h`'s producer (where the other blocks add
-their first contribution to the sum), and reads the new value wherever `h`
-was read. It then finds the runs again and keeps the seeded program only when
-they cover more equations (else the caller keeps its runs and jaxpr).
+`seeded(jaxpr, runs)` looks at each found run for
+- a carry that the run updates as `add_any(carry, .)` whose initial value is
+  an `add_any` chain (operand 0 the running sum) whose head, the first
+  contribution, is made within one period before the run: the head `h`
+  becomes `add_any(z, h)`, `z` a broadcast -0.0 made before everything,
+  placed right after `h`'s producer (where the other blocks add their first
+  contribution), and every read of `h` reads the new value;
+- an equation one period before a carried operand of the run with a literal
+  in that operand's place (same primitive, shape and dtype): the literal
+  becomes a variable holding the same value (made before everything), which
+  the run can then take as the carry's initial value.
+`reroll` finds the runs again and keeps the seeded program only when they
+cover more equations.
 
-Why the values stay the same: IEEE addition of -0.0 returns its other operand
+Why the values stay the same: a literal replaced by a variable of the same
+value and dtype feeds the same operation (its weak type was resolved when
+the equation was traced). IEEE addition of -0.0 returns its other operand
 unchanged for every real float (+0.0, -0.0, infinities and NaNs included;
 +0.0 would turn a -0.0 into +0.0, which is why the seed is -0.0), so the
 seeded sum is bit-identical, except that a subnormal head may be flushed to
@@ -42,63 +52,103 @@ from jaxbackend.passes import _rewrite
 from jaxbackend.passes._reroll_run import Carry, DepGraph
 
 
-def _heads(jaxpr, runs) -> dict:
-    """{head var: (producer index, the add_any to clone)} over all runs."""
-    g = DepGraph(jaxpr)
+def _sum_heads(jaxpr, g, run, heads: dict) -> None:
+    """Heads of cross-layer sums carried into `run`: {head var: (producer
+    index, the run's add_any to clone)}."""
     eqns = jaxpr.eqns
-    heads: dict = {}
-    for run in runs:
-        lo = run.start - run.period
-        for r, row in enumerate(run.template):
-            link = eqns[run.start + r]
-            if link.primitive.name != "add_any" or not row or type(row[0]) is not Carry:
-                continue
-            v = run.carry_init[row[0].c]
-            d = g.defs.get(v)
-            # walk the sum back to its first term, within the block before the run
-            while d is not None and d[0] >= lo and eqns[d[0]].primitive.name == "add_any":
-                v = eqns[d[0]].invars[0]
-                d = g.defs.get(v) if _jax.is_var(v) else None
-            if d is None or not lo <= d[0] < run.start or not _jax.is_var(v):
-                continue
-            dt = np.dtype(v.aval.dtype)
-            if dt.kind != "f":
-                continue
+    lo = run.start - run.period
+    for r, row in enumerate(run.template):
+        link = eqns[run.start + r]
+        if link.primitive.name != "add_any" or not row or type(row[0]) is not Carry:
+            continue
+        v = run.carry_init[row[0].c]
+        d = g.defs.get(v)
+        # walk the sum back to its first term, within the block before the run
+        while d is not None and d[0] >= lo and eqns[d[0]].primitive.name == "add_any":
+            v = eqns[d[0]].invars[0]
+            d = g.defs.get(v) if _jax.is_var(v) else None
+        if d is None or not lo <= d[0] < run.start or not _jax.is_var(v):
+            continue
+        if np.dtype(v.aval.dtype).kind == "f":
             heads.setdefault(v, (d[0], link))
-    return heads
 
 
-def _zero(shape, dtype):
+def _literal_carries(jaxpr, run, sites: dict) -> None:
+    """Literals where the block before `run` has one and the run carries:
+    {(eqn index, operand): the carry's aval}. E.g. `aux = 0.0` before a loop
+    of `aux = aux + layer_aux`: layer 0 adds to the literal 0.0."""
+    eqns = jaxpr.eqns
+    for r, row in enumerate(run.template):
+        i = run.start - run.period + r
+        if i < 0:
+            continue
+        e, t = eqns[i], eqns[run.start + r]
+        for k, tag in enumerate(row):
+            if type(tag) is not Carry or e.primitive is not t.primitive or k >= len(e.invars):
+                continue
+            lit, aval = e.invars[k], t.invars[k].aval
+            if (isinstance(lit, _jax.Literal) and lit.aval.shape == aval.shape
+                    and lit.aval.dtype == aval.dtype):
+                sites.setdefault((i, k), aval)
+
+
+def _fill(value, aval):
+    """(equations, var): a fresh var of `aval` holding `value` everywhere.
+    `lax.full` makes no equation for a scalar (and JAX forwards a scalar
+    broadcast), so a scalar is a weak-typed literal cast to its strong type."""
     b = _rewrite.EqnBuilder(closed=False)
-    (z,) = b.emit(lambda: lax.full(shape, -0.0, dtype), [], key=("reroll.seed", shape, dtype))
+    if aval.shape:
+        lit = _jax.new_literal(np.asarray(value, aval.dtype), _jax.ShapedArray((), aval.dtype))
+        (z,) = b.bind(lax.broadcast_in_dim_p, [lit], shape=tuple(aval.shape),
+                      broadcast_dimensions=(), sharding=None)
+    else:
+        weak = _jax.ShapedArray((), aval.dtype, weak_type=True)
+        lit = _jax.new_literal(np.asarray(value, aval.dtype), weak)
+        (z,) = b.emit(lambda x: _jax.convert_element_type(x, aval.dtype, False), [lit])
+    if not _jax.is_var(z):
+        raise AssertionError(f"_reroll_seed: no equation makes a {aval} fill")
     return b.eqns, z
 
 
 def seeded(jaxpr, runs):
-    """(seeded jaxpr, number of heads seeded), or (None, 0) when no run has
-    a cross-layer sum whose first term is made just before it."""
-    heads = _heads(jaxpr, runs)
-    if not heads:
+    """(seeded jaxpr, number of seeds), or (None, 0) when no run has a
+    cross-layer sum started in the block before it or a literal there that
+    the run carries."""
+    g = DepGraph(jaxpr)
+    heads: dict = {}
+    sites: dict = {}
+    for run in runs:
+        _sum_heads(jaxpr, g, run, heads)
+        _literal_carries(jaxpr, run, sites)
+    if not heads and not sites:
         return None, 0
-    zeros: dict = {}
     top: list = []
-    after: dict = {}                       # producer index -> [(head, new eqn)]
+    after: dict = {}                       # producer index -> [new eqn]
     env: dict = {}
-    for h, (p, link) in heads.items():
-        key = (h.aval.shape, np.dtype(h.aval.dtype))
-        if key not in zeros:
-            eqns, zeros[key] = _zero(*key)
+    fills: dict = {}
+
+    def fill(value, aval):
+        key = (aval.shape, np.dtype(aval.dtype), np.asarray(value, aval.dtype).tobytes())
+        if key not in fills:
+            eqns, fills[key] = _fill(value, aval)
             top.extend(eqns)
+        return fills[key]
+
+    for h, (p, link) in heads.items():
         s = _jax.new_var(h.aval)
-        after.setdefault(p, []).append(link.replace(invars=[zeros[key], h], outvars=[s]))
+        after.setdefault(p, []).append(link.replace(invars=[fill(-0.0, h.aval), h], outvars=[s]))
         env[h] = s
+    new_lits = {site: fill(_jax.literal_value(jaxpr.eqns[site[0]].invars[site[1]]), aval)
+                for site, aval in sites.items()}
     new = list(top)
     for i, e in enumerate(jaxpr.eqns):
-        if any(_jax.is_var(v) and v in env for v in e.invars):
-            e = e.replace(invars=[env.get(v, v) if _jax.is_var(v) else v for v in e.invars])
+        if any(_jax.is_var(v) and v in env for v in e.invars) or any(
+                (i, k) in new_lits for k in range(len(e.invars))):
+            e = e.replace(invars=[new_lits.get((i, k), env.get(v, v) if _jax.is_var(v) else v)
+                                  for k, v in enumerate(e.invars)])
         new.append(e)
         new.extend(after.get(i, ()))
-    return _jax.jaxpr_with(jaxpr, eqns=new), len(heads)
+    return _jax.jaxpr_with(jaxpr, eqns=new), len(heads) + len(sites)
 
 
 def covered(runs) -> int:

@@ -45,8 +45,10 @@ moments) are stacked, a copy per call like the weights.
 A value every layer reads (an encoder output under cross-attention) has its
 gradient summed over the backward layers, and JAX's backward pass starts that
 sum without an addition, so the first backward block is one equation short
-of the others: `_reroll_seed` starts the sum at -0.0 (bit-identical) so that
-block joins the run.
+of the others; a user's sum over layers started at a literal (`aux = 0.0`)
+makes layer 0 read a literal where the others read the carry.
+`_reroll_seed` starts such a sum at -0.0, or turns the literal into a
+variable (both bit-identical), so that block joins the run.
 
 Layers kept stacked by the caller (`jb.stack_layers`) arrive as one input
 split into its entries: the scans read that input itself and the gradient
@@ -97,7 +99,7 @@ class RerollStats:
     stacks_reused: int = 0         # per-block input lists read from an earlier stack
     vectorized: int = 0            # element-wise families applied once to stacks
     vectorized_eqns: int = 0       # the per-block equations those replaced
-    seeded_sums: int = 0           # cross-layer cotangent sums seeded (`_reroll_seed`)
+    seeds: int = 0                 # sums and literal carries seeded (`_reroll_seed`)
 
     @property
     def repeats(self) -> list:
@@ -124,7 +126,7 @@ def reroll_with_stats(closed_jaxpr, *, min_repeats: int = 2, vectorize: bool = T
                            "reroll.blocks_rolled": sum(stats.repeats),
                            "reroll.stacked_copies": stats.stacked_copies,
                            "reroll.vectorized": stats.vectorized_eqns,
-                           "reroll.seeded_sums": stats.seeded_sums})
+                           "reroll.seeds": stats.seeds})
     return out, stats
 
 
@@ -179,7 +181,7 @@ class _Splicer:
             more = find_runs(seeded, min_repeats, self.keys)
             if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
                 jaxpr, runs = seeded, more
-                self.stats.seeded_sums += n
+                self.stats.seeds += n
         walk = Walk(jaxpr, runs, b, self.stats, self._subs,
                      min_repeats if self.vectorize else None)
         for i, eqn in walk.kept():

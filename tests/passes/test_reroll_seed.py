@@ -1,6 +1,7 @@
 """`reroll` on an encoder-decoder shape: jitted encoder blocks next to an
 inlined decoder (candidate periods), and the decoder's cross-layer gradient
-sum of the encoder output (`_reroll_seed`)."""
+sum of the encoder output; a sum over layers started at a literal
+(`_reroll_seed`)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_an_encoder_decoder_step_rolls_all_four_runs(layers):
 
     out, stats = reroll_with_stats(closed)
     assert stats.repeats == [layers] * 4   # encoder, decoder, decoder back, encoder back
-    assert stats.seeded_sums >= 1
+    assert stats.seeds >= 1
     assert_same_values(closed, out, leaves)
 
 
@@ -89,3 +90,32 @@ def test_minus_zero_is_the_additive_identity_here():
     x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.5, -3e-30, 3e38], np.float32)
     got = jax.jit(jnp.add)(np.full(x.shape, -0.0, np.float32), x)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), x.view(np.uint32))
+
+
+def _aux_loss(x, ws):
+    aux = 0.0   # a per-layer statistic summed over the layers, as MoE losses do
+    for w1, w2 in ws:
+        h = jnp.tanh(x @ w1)
+        aux = aux + (h * h).mean()
+        x = x + h @ w2
+    return (x ** 2).sum() + 0.01 * aux
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_sum_over_layers_started_at_a_literal_rolls_every_layer(grad):
+    layers = 6
+    ws = [(rand(10 + i, D, 8) * .4, rand(40 + i, 8, D) * .4) for i in range(layers)]
+    args = (rand(7, 3, D), ws)
+    fn = jax.value_and_grad(_aux_loss, argnums=(0, 1)) if grad else _aux_loss
+    closed = jax.make_jaxpr(fn)(*args)
+    leaves = jax.tree.leaves(args)
+    raw = sorted(r.repeats for r in _reroll_find.find_runs(closed.jaxpr, 2))
+    assert raw[0] == layers - 1, raw   # layer 0 adds to the literal
+    out, stats = reroll_with_stats(closed)
+    assert stats.repeats == [layers] * (2 if grad else 1) and stats.seeds >= 1
+    assert_same_values(closed, out, leaves)
+    seeded, _ = _reroll_seed.seeded(closed.jaxpr, _reroll_find.find_runs(closed.jaxpr, 2))
+    want = jax.jit(_jax.jaxpr_as_fun(closed))(*leaves)
+    got = jax.jit(_jax.jaxpr_as_fun(_jax.ClosedJaxpr(seeded, closed.consts)))(*leaves)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
