@@ -87,24 +87,27 @@ def _literal_carries(jaxpr, run, sites: dict) -> None:
             if type(tag) is not Carry or e.primitive is not t.primitive or k >= len(e.invars):
                 continue
             lit, aval = e.invars[k], t.invars[k].aval
+            # same shape and dtype, and the equation's results typed as the
+            # run's (so a strong-typed variable in the literal's place agrees)
             if (isinstance(lit, _jax.Literal) and lit.aval.shape == aval.shape
-                    and lit.aval.dtype == aval.dtype):
+                    and lit.aval.dtype == aval.dtype
+                    and all(_jax.same_aval(a.aval, b.aval) for a, b in zip(e.outvars, t.outvars))):
                 sites.setdefault((i, k), aval)
 
 
 def _fill(value, aval):
-    """(equations, var): a fresh var of `aval` holding `value` everywhere.
-    `lax.full` makes no equation for a scalar (and JAX forwards a scalar
-    broadcast), so a scalar is a weak-typed literal cast to its strong type."""
+    """(equations, var): a fresh var of `aval` holding `value` everywhere: a
+    weak-typed literal cast to its strong type, then broadcast (`lax.full`
+    of a scalar makes no equation; the literal is what the var replaces)."""
+    shape, dtype = tuple(aval.shape), aval.dtype
+
+    def fill(x):
+        x = _jax.convert_element_type(x, dtype, False)
+        return lax.broadcast_in_dim(x, shape, ()) if shape else x
+
     b = _rewrite.EqnBuilder(closed=False)
-    if aval.shape:
-        lit = _jax.new_literal(np.asarray(value, aval.dtype), _jax.ShapedArray((), aval.dtype))
-        (z,) = b.bind(lax.broadcast_in_dim_p, [lit], shape=tuple(aval.shape),
-                      broadcast_dimensions=(), sharding=None)
-    else:
-        weak = _jax.ShapedArray((), aval.dtype, weak_type=True)
-        lit = _jax.new_literal(np.asarray(value, aval.dtype), weak)
-        (z,) = b.emit(lambda x: _jax.convert_element_type(x, aval.dtype, False), [lit])
+    lit = _jax.new_literal(np.asarray(value, dtype), _jax.ShapedArray((), dtype, weak_type=True))
+    (z,) = b.emit(fill, [lit])
     if not _jax.is_var(z):
         raise AssertionError(f"_reroll_seed: no equation makes a {aval} fill")
     return b.eqns, z
