@@ -87,10 +87,12 @@ def _literal_carries(jaxpr, run, sites: dict) -> None:
             if type(tag) is not Carry or e.primitive is not t.primitive or k >= len(e.invars):
                 continue
             lit, aval = e.invars[k], t.invars[k].aval
+            if not isinstance(lit, _jax.Literal):
+                continue
             # same shape and dtype, and the equation's results typed as the
             # run's (so a strong-typed variable in the literal's place agrees)
-            if (isinstance(lit, _jax.Literal) and lit.aval.shape == aval.shape
-                    and lit.aval.dtype == aval.dtype
+            if (_jax.literal_value(lit).shape == aval.shape
+                    and _jax.literal_value(lit).dtype == aval.dtype
                     and all(_jax.same_aval(a.aval, b.aval) for a, b in zip(e.outvars, t.outvars))):
                 sites.setdefault((i, k), aval)
 

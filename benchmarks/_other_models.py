@@ -1,0 +1,203 @@
+"""Architectures the other benchmarks never use, written as a user would
+(Flax NNX modules over `jaxbackend.nn` and `named`, a Python for-loop over
+an `nnx.List` of blocks), for `other_models.py`:
+
+* `vit`: patches by `nx.rearrange`, a learned position table (an
+  `nnx.Param` of dims (patch, embd)), bidirectional pre-norm blocks over
+  `patch`, mean pooling, a classifier;
+* `dit`: adaLN-conditioned blocks: every layer reads the class embedding
+  (its gradient is a sum over the layers), an MSE loss;
+* `moe`: dense (soft) mixtures of expert MLPs (weights with an `expert`
+  dim, one of them a raw 3-d `nnx.Param`) plus a load-balancing loss the
+  loop sums from `aux = 0.0`;
+* `encdec`: an encoder (library blocks over `src`) and a decoder of custom
+  blocks with causal self-attention and cross-attention to the encoder
+  output (read by every decoder layer).
+
+`setup(name, layers)` returns (params, optax tx, step, batch, hand rule
+sets); `step(params, opt_state, *batch)` is the AdamW training step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxbackend import named as nx
+from jaxbackend import nn
+
+MODELS = ("vit", "dit", "moe", "encdec")
+
+
+class ViT(nnx.Module):
+    def __init__(self, layers, embd, heads, patch, img, classes, rngs):
+        self.p = patch
+        self.inp = nn.Linear({"pix": patch * patch * 3}, {"embd": embd}, rngs=rngs)
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), ((img // patch) ** 2, embd)) * 0.02,
+                             dims=("patch", "embd"))
+        self.blocks = nnx.List([nn.TransformerBlock(embd, heads, time="patch", rngs=rngs)
+                                for _ in range(layers)])
+        self.norm = nn.LayerNorm({"embd": embd}, rngs=rngs)
+        self.head = nn.Linear({"embd": embd}, {"cls": classes}, rngs=rngs)
+
+    def loss(self, images, labels):
+        x = nx.rearrange(nx.as_named(images, ("batch", "h", "w", "c")),
+                         "batch (hp p1) (wp p2) c -> batch (patch: hp wp) (pix: p1 p2 c)",
+                         p1=self.p, p2=self.p)
+        x = self.inp(x) + nn.named(self.pos)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.norm(x).mean(dim="patch"))
+        return nx.cross_entropy(logits, nx.as_named(labels, ("batch",)), dim="cls").values.mean()
+
+
+class DiTBlock(nnx.Module):
+    def __init__(self, embd, heads, rngs):
+        self.n1 = nn.LayerNorm({"embd": embd}, use_bias=False, rngs=rngs)
+        self.attn = nn.MultiHeadAttention(embd, heads, causal=False, rngs=rngs)
+        self.n2 = nn.LayerNorm({"embd": embd}, use_bias=False, rngs=rngs)
+        self.mlp = nn.MLP(embd, 4 * embd, rngs=rngs)
+        self.ada = nn.Linear({"cemb": embd}, {"mod": 4, "embd": embd}, rngs=rngs)
+
+    def __call__(self, x, c):
+        s1, b1, s2, b2 = (self.ada(nx.silu(c)).isel(mod=i) for i in range(4))
+        x = x + self.attn(self.n1(x) * (1 + s1) + b1)
+        return x + self.mlp(self.n2(x) * (1 + s2) + b2)
+
+
+class DiT(nnx.Module):
+    def __init__(self, layers, embd, heads, feat, classes, rngs):
+        self.inp = nn.Linear({"feat": feat}, {"embd": embd}, rngs=rngs)
+        self.cls = nn.Embedding(classes, embd, vocab_dim="cls", rngs=rngs)
+        self.blocks = nnx.List([DiTBlock(embd, heads, rngs) for _ in range(layers)])
+        self.out = nn.Linear({"embd": embd}, {"feat": feat}, rngs=rngs)
+
+    def loss(self, x, labels, y):
+        c = self.cls(nx.as_named(labels, ("batch",))).rename(embd="cemb")
+        h = self.inp(nx.as_named(x, ("batch", "time", "feat")))
+        for b in self.blocks:
+            h = b(h, c)
+        d = self.out(h) - nx.as_named(y, ("batch", "time", "feat"))
+        return (d * d).values.mean()
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, embd, experts, hidden, rngs):
+        self.norm = nn.RMSNorm({"embd": embd}, rngs=rngs)
+        self.gate = nn.Linear({"embd": embd}, {"expert": experts}, use_bias=False, rngs=rngs)
+        self.w1 = nn.Linear({"embd": embd}, {"expert": experts, "mlp": hidden}, rngs=rngs)
+        self.w2 = nnx.Param(jax.random.normal(rngs.params(), (experts, hidden, embd))
+                            * hidden ** -0.5, dims=("expert", "mlp", "embd"))
+
+    def __call__(self, x):
+        h = self.norm(x)
+        g = nx.softmax(self.gate(h), dim="expert")
+        y = nx.dot(nx.gelu(self.w1(h)), nn.named(self.w2), dim="mlp")
+        balance = g.mean(dim=("batch", "time"))
+        return x + nx.dot(y, g, dim="expert"), (balance * balance).sum().values
+
+
+class MoE(nnx.Module):
+    def __init__(self, layers, embd, experts, hidden, vocab, rngs):
+        self.tok = nn.Embedding(vocab, embd, rngs=rngs)
+        self.blocks = nnx.List([MoEBlock(embd, experts, hidden, rngs) for _ in range(layers)])
+        self.out = nn.Linear({"embd": embd}, {"vocab": vocab}, rngs=rngs)
+
+    def loss(self, tokens, targets):
+        x = self.tok(nx.as_named(tokens, ("batch", "time")))
+        aux = 0.0
+        for b in self.blocks:
+            x, a = b(x)
+            aux = aux + a
+        ce = nx.cross_entropy(self.out(x), nx.as_named(targets, ("batch", "time")), dim="vocab")
+        return ce.values.mean() + 0.01 * aux
+
+
+class CrossAttention(nnx.Module):
+    def __init__(self, embd, heads, rngs):
+        self.hd = embd // heads
+        proj = dict(in_sizes={"embd": embd}, out_sizes={"head": heads, "hd": self.hd})
+        self.q, self.k, self.v = (nn.Linear(**proj, rngs=rngs) for _ in range(3))
+        self.o = nn.Linear({"head": heads, "hd": self.hd}, {"embd": embd}, rngs=rngs)
+
+    def __call__(self, x, mem):
+        s = nx.dot(self.q(x), self.k(mem), dim="hd") / math.sqrt(self.hd)
+        return self.o(nx.dot(nx.softmax(s, dim="src"), self.v(mem), dim="src"))
+
+
+class DecBlock(nnx.Module):
+    def __init__(self, embd, heads, rngs):
+        self.n1 = nn.LayerNorm({"embd": embd}, rngs=rngs)
+        self.self_attn = nn.MultiHeadAttention(embd, heads, rngs=rngs)
+        self.n2 = nn.LayerNorm({"embd": embd}, rngs=rngs)
+        self.cross = CrossAttention(embd, heads, rngs)
+        self.n3 = nn.LayerNorm({"embd": embd}, rngs=rngs)
+        self.mlp = nn.MLP(embd, 4 * embd, rngs=rngs)
+
+    def __call__(self, x, mem):
+        x = x + self.self_attn(self.n1(x))
+        x = x + self.cross(self.n2(x), mem)
+        return x + self.mlp(self.n3(x))
+
+
+class EncDec(nnx.Module):
+    def __init__(self, layers, embd, heads, vocab, rngs):
+        self.src_tok = nn.Embedding(vocab, embd, rngs=rngs)
+        self.tgt_tok = nn.Embedding(vocab, embd, rngs=rngs)
+        self.enc = nnx.List([nn.TransformerBlock(embd, heads, time="src", rngs=rngs)
+                             for _ in range(layers)])
+        self.dec = nnx.List([DecBlock(embd, heads, rngs) for _ in range(layers)])
+        self.norm = nn.LayerNorm({"embd": embd}, rngs=rngs)
+        self.out = nn.Linear({"embd": embd}, {"vocab": vocab}, rngs=rngs)
+
+    def loss(self, src, tgt_in, tgt_out):
+        m = self.src_tok(nx.as_named(src, ("batch", "src")))
+        for b in self.enc:
+            m = b(m)
+        x = self.tgt_tok(nx.as_named(tgt_in, ("batch", "time")))
+        for b in self.dec:
+            x = b(x, m)
+        return nx.cross_entropy(self.out(self.norm(x)), nx.as_named(tgt_out, ("batch", "time")),
+                                dim="vocab").values.mean()
+
+
+def setup(name: str, layers: int):
+    """(params, tx, step, batch, hand rule sets) for model `name`."""
+    tx, r = optax.adamw(1e-3), nnx.Rngs(0)
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    attn = {"batch": "data", "head": "model", "mlp": "model"}
+    if name == "vit":
+        model = ViT(layers, 128, 4, 4, 32, 10, r)
+        batch = (jax.random.normal(k1, (32, 32, 32, 3)), jax.random.randint(k2, (32,), 0, 10))
+        megatron = attn
+    elif name == "dit":
+        model = DiT(layers, 128, 4, 32, 10, r)
+        batch = (jax.random.normal(k1, (16, 64, 32)), jax.random.randint(k2, (16,), 0, 10),
+                 jax.random.normal(k3, (16, 64, 32)))
+        megatron = attn
+    elif name == "moe":
+        model = MoE(layers, 128, 4, 256, 256, r)
+        x = jax.random.randint(k1, (16, 64), 0, 256)
+        batch = (x, jnp.roll(x, -1, axis=1))
+        megatron = {"batch": "data", "expert": "model", "vocab": "model"}
+    elif name == "encdec":
+        model = EncDec(layers, 128, 4, 256, r)
+        t = jax.random.randint(k2, (16, 65), 0, 256)
+        batch = (jax.random.randint(k1, (16, 64), 0, 256), t[:, :-1], t[:, 1:])
+        megatron = dict(attn, vocab="model")
+    else:
+        raise ValueError(f"setup: model {name!r} is not one of {MODELS}; pick one of those.")
+    params, loss = nn.functional(model, "loss")
+
+    def step(params, opt_state, *batch):
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    step.loss = loss
+    hand = {"dp": {"batch": ("data", "model")}, "megatron": megatron}
+    return params, tx, step, batch, hand
