@@ -125,7 +125,8 @@ def render(runs, models, depths, repeat: int) -> str:
                 verdict["bytes"][1] += 1
                 verdict["memory"].append(s["predicted"] / s["memory"])
                 verdict["warnings"] += s["warnings"] + dp["warnings"] + mg["warnings"]
-                rules = ", ".join(f"{k}: {v}" for k, v in s["rules"].items()) or "-"
+                rules = ", ".join(f"{k}: {v if isinstance(v, str) else '(' + ', '.join(v) + ')'}"
+                                  for k, v in s["rules"].items()) or "-"
                 rows.append(
                     f"| {m} | {kind} | {d} | {secs[d]:.2f} | "
                     f"{f'{ratio:.2f}' if d == depths[-1] else ''} | "
