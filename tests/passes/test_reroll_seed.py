@@ -119,3 +119,20 @@ def test_a_sum_over_layers_started_at_a_literal_rolls_every_layer(grad):
     got = jax.jit(_jax.jaxpr_as_fun(_jax.ClosedJaxpr(seeded, closed.consts)))(*leaves)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+
+
+def test_a_seeded_encoder_decoder_step_under_a_mesh_equals_jax_jit():
+    # the seeded, rolled program through the planner and XLA's partitioner
+    import jaxbackend as jb
+    from jaxbackend import sharding, testing
+
+    layers = 6
+    enc_ws = [(rand(10 + i, D, 8) * .4, rand(20 + i, 8, D) * .4) for i in range(layers)]
+    dec_ws = [tuple(rand(30 + 5 * i + k, D, D) * .4 for k in range(5)) for i in range(layers)]
+    args = (rand(1, 8, D), rand(2, 8, D), enc_ws, dec_ws)
+    vg = jax.value_and_grad(_loss, argnums=(0, 1, 2, 3))
+    f = jb.jit(vg, mesh=sharding.auto_mesh((2, 4), ("data", "model")))
+    report = str(f.trace_passes(*args))
+    assert "reroll.seeds: 0" not in report and "reroll.blocks_rolled: 24" in report, report
+    testing.assert_close(f(*args), jax.jit(vg)(*args), scale=lambda: testing.abs_scale(vg, *args),
+                         what="seeded encoder-decoder gradient under a mesh")
