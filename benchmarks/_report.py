@@ -132,6 +132,22 @@ def depth_cli(doc: str, run_point, quick_help: str) -> argparse.Namespace:
     return a
 
 
+def spawn_on_8_devices(script: str, args: list, what: str, count: str) -> dict:
+    """`python script *args` in a fresh process on 8 simulated CPU devices,
+    run from the repository root: its last RESULT dict, plus `warnings`,
+    how many times `count` occurs on its stderr (XLA's partitioner warnings)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,
+                       cwd=ROOT)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"{what} failed:\n{p.stderr[-3000:]}")
+    res = json.loads(line[-1][len("RESULT "):])
+    res["warnings"] = p.stderr.count(count)
+    return res
+
+
 def spawn_point(script: str, variant: str, layers: int, env=None) -> dict:
     """`script --child variant layers` in a fresh process (no JAX cache
     shared): its RESULT dict."""

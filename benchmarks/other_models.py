@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -73,17 +71,10 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool) 
 
 
 def spawn(model, kind, layers, rules_name, check=False) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, __file__, "--child",
-           json.dumps([model, kind, layers, rules_name, check])]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not line:
-        raise RuntimeError(f"{model} {kind} {layers} {rules_name} failed:\n{p.stderr[-3000:]}")
-    res = json.loads(line[-1][len("RESULT "):])
-    res["warnings"] = p.stderr.count(WARNING)
-    return res
+    from benchmarks import _report
+
+    return _report.spawn_on_8_devices(__file__, ["--child", json.dumps(
+        [model, kind, layers, rules_name, check])], f"{model} {kind} {layers} {rules_name}", WARNING)
 
 
 def measure(models, depths, repeat: int) -> dict:

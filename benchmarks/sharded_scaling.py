@@ -58,10 +58,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -193,18 +191,12 @@ def _child(args) -> None:
 
 def spawn(kind: str, layers: int, mesh_shape: tuple, rules: str, dims: dict,
           steps: int = 0) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, __file__, "--child", "--kind", kind, "--layers", str(layers),
-           "--rules", rules, "--dims", json.dumps(dims), "--steps", str(steps),
-           "--mesh", *map(str, mesh_shape)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not line:
-        raise RuntimeError(f"{kind} {layers} layers {mesh_shape} {rules} failed:\n{p.stderr[-3000:]}")
-    res = json.loads(line[-1][len("RESULT "):])
-    res["warnings"] = p.stderr.count(WARNING)
-    return res
+    from benchmarks import _report
+
+    args = ["--child", "--kind", kind, "--layers", str(layers), "--rules", rules,
+            "--dims", json.dumps(dims), "--steps", str(steps), "--mesh", *map(str, mesh_shape)]
+    return _report.spawn_on_8_devices(__file__, args,
+                                      f"{kind} {layers} layers {mesh_shape} {rules}", WARNING)
 
 
 # --- tables ------------------------------------------------------------------
