@@ -44,6 +44,8 @@ the literal keeps its sign through `cse` (literals are keyed by their bytes).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from jax import lax
 
@@ -52,15 +54,17 @@ from jaxbackend.passes import _rewrite
 from jaxbackend.passes._reroll_run import Carry, DepGraph
 
 
-def _sum_heads(jaxpr, g, run, heads: dict) -> None:
+def _sum_heads(jaxpr, graph, run, heads: dict) -> None:
     """Heads of cross-layer sums carried into `run`: {head var: (producer
-    index, the run's add_any to clone)}."""
+    index, the run's add_any to clone)}. `graph()`: the jaxpr's `DepGraph`,
+    built on first need (most runs carry no sum)."""
     eqns = jaxpr.eqns
     lo = run.start - run.period
     for r, row in enumerate(run.template):
         link = eqns[run.start + r]
         if link.primitive.name != "add_any" or not row or type(row[0]) is not Carry:
             continue
+        g = graph()
         v = run.carry_init[row[0].c]
         d = g.defs.get(v)
         # walk the sum back to its first term, within the block before the run
@@ -119,11 +123,11 @@ def seeded(jaxpr, runs):
     """(seeded jaxpr, number of seeds), or (None, 0) when no run has a
     cross-layer sum started in the block before it or a literal there that
     the run carries."""
-    g = DepGraph(jaxpr)
+    graph = functools.cache(lambda: DepGraph(jaxpr))
     heads: dict = {}
     sites: dict = {}
     for run in runs:
-        _sum_heads(jaxpr, g, run, heads)
+        _sum_heads(jaxpr, graph, run, heads)
         _literal_carries(jaxpr, run, sites)
     if not heads and not sites:
         return None, 0
