@@ -132,28 +132,29 @@ def depth_cli(doc: str, run_point, quick_help: str) -> argparse.Namespace:
     return a
 
 
-def spawn_on_8_devices(script: str, args: list, what: str, count: str) -> dict:
-    """`python script *args` in a fresh process on 8 simulated CPU devices,
-    run from the repository root: its last RESULT dict, plus `warnings`,
-    how many times `count` occurs on its stderr (XLA's partitioner warnings)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,
-                       cwd=ROOT)
+def _run_child(cmd: list, what: str, **run) -> tuple[dict, str]:
+    """`python *cmd` (`subprocess.run` keywords in `run`): the dict of its
+    one `RESULT {json}` line, and its stderr."""
+    p = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, **run)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not line:
         raise RuntimeError(f"{what} failed:\n{p.stderr[-3000:]}")
-    res = json.loads(line[-1][len("RESULT "):])
-    res["warnings"] = p.stderr.count(count)
+    return json.loads(line[-1][len("RESULT "):]), p.stderr
+
+
+def spawn_on_8_devices(script: str, args: list, what: str, count: str) -> dict:
+    """`python script *args` in a fresh process on 8 simulated CPU devices,
+    run from the repository root: its RESULT dict, plus `warnings`, how
+    many times `count` occurs on its stderr (XLA's partitioner warnings)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    res, err = _run_child([script, *args], what, env=env, cwd=ROOT)
+    res["warnings"] = err.count(count)
     return res
 
 
 def spawn_point(script: str, variant: str, layers: int, env=None) -> dict:
     """`script --child variant layers` in a fresh process (no JAX cache
     shared): its RESULT dict."""
-    r = subprocess.run([sys.executable, script, "--child", variant, str(layers)],
-                       capture_output=True, text=True, env=env or dict(os.environ), timeout=1200)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode or not line:
-        raise RuntimeError(f"{variant} at {layers} layers failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[0][7:])
+    return _run_child([script, "--child", variant, str(layers)], f"{variant} at {layers} layers",
+                      env=env or dict(os.environ), timeout=1200)[0]
