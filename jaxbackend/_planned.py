@@ -107,21 +107,34 @@ def _check_agrees(arg, what, given, tree, specs, plan) -> None:
 
 def run_planned(plan, leaves) -> list:
     """Evaluate the plan's program on `leaves` with its layouts pinned: a
-    sharding constraint on every input, every output and every top-level
-    contraction (XLA's propagation fills in the rest); stacks of sharded
-    per-layer values built on a new axis (`Plan.stack_eqns`)."""
+    sharding constraint on every input, every output and every contraction,
+    and on the operands and results of the route the cost model took through
+    a contraction, gather or scatter (`Plan.contraction_specs`; XLA's
+    propagation fills in the rest); stacks of sharded per-layer values built
+    on a new axis (`Plan.stack_eqns`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
-    cons = {e: plan.sharding(s) for e, s in plan.contraction_specs().items()}
+    cons = {e: ([None if s is None else plan.sharding(s) for s in ins],
+                [plan.sharding(s) for s in res])
+            for e, (ins, res) in plan.contraction_specs().items()}
     stacks = plan.stack_eqns()
     entered = _scans_holding(closed.jaxpr, set(cons) | stacks)
 
     def instead(eqn, invals):
         # a stack of sharded parts: on a new axis (`Plan.stack_eqns`)
-        return [_stacks.stack_new_axis(invals)] if eqn in stacks else None
+        if eqn in stacks:
+            return [_stacks.stack_new_axis(invals)]
+        ins = cons[eqn][0] if eqn in cons else ()
+        if any(s is not None for s in ins):     # operands gathered as costed
+            return _jax.bind_eqn(eqn, [x if s is None else wsc(x, s) for x, s in zip(invals, ins)])
+        return None
 
     def hook(eqn, outs):
-        s = cons.get(eqn)
-        return outs if s is None else [wsc(outs[0], s)]
+        if eqn not in cons:
+            return outs
+        y = outs[0]
+        for s in cons[eqn][1]:
+            y = wsc(y, s)
+        return [y]
 
     ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
     outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,

@@ -120,8 +120,10 @@ class CostModel:
         sigs: dict = {}
         consumers: dict = {}   # var -> [(distinct op, operand position)], and its mult
         fused = fused_values(g)
+        self.op_sig: list = []   # per op of the graph: its distinct op's index (None: never run)
         for op, share in zip(g.ops, latency_shares(g)):
             if op.mult == 0:
+                self.op_sig.append(None)
                 continue
             sig = Sig(op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
                       tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
@@ -131,6 +133,7 @@ class CostModel:
                 sigs[sig][1] += op.mult
             else:
                 sigs[sig] = [sig, op.mult, len(sigs)]
+            self.op_sig.append(sigs[sig][2])
             for j, (v, _) in enumerate(op.ins):
                 c = consumers.setdefault(v, [[], op.mult])
                 c[0].append((sigs[sig][2], j))
@@ -187,17 +190,8 @@ class CostModel:
         """(time without operand gathers, details, per-operand gather masks,
         the compute part of that time). The iteration layout is chosen with
         the gathers counted."""
-        kind = sig.kind
-        natural = list(range(len(sig.isizes)))
-        orders = []
-        if kind in ("contract", "reduce"):
-            for operand in sig.ins[:1] if kind == "reduce" else sig.ins:
-                first = [i for i in operand.amap if i >= 0]
-                orders.append(first + [i for i in natural if i not in first])
-        if kind != "reduce":
-            orders.append(natural)
         best = None
-        for order in orders:
+        for order in _orders(sig):
             t, tg, d, ex, c = self._strategy(sig, masks, order, detail)
             if best is None:
                 best = (t, tg, d, ex, c)
@@ -209,6 +203,61 @@ class CostModel:
                     _pick(better, d, best[2]), [np.where(better, a, b) for a, b in zip(ex, best[3])],
                     np.where(better, c, best[4]))
         return best[0], best[2], best[3], best[4]
+
+    def route(self, op_index, masks):
+        """How op `op_index` of the graph runs under one plan (`masks[k]` an
+        int per key), as the model costs it: (per operand, the mesh-axis mask
+        per axis it is gathered to, None where it is used in place; per
+        result axis, the mask its iteration layout produces after its
+        reduction, None where that is the result's layout). None: as laid
+        out. `Plan.contraction_specs` pins these, so that XLA's partitioner
+        runs the op the way it was costed (left to itself, it may reshard an
+        operand instead, even one it cannot reshard but by replicating it)."""
+        i = self.op_sig[op_index]
+        if i is None:
+            return None
+        sig = self.sigs[i][0]
+        masks = [np.asarray(m) for m in masks]
+        best, chosen = None, None
+        for order in _orders(sig):
+            t, tg = self._strategy(sig, masks, order, False)[:2]
+            if best is None or t + tg < PREFER_IN_PLACE * best:
+                best, chosen = t + tg, order
+        imask = self._iteration_masks(sig, masks, chosen)
+        ins = []
+        for keys, _, amap in sig.ins:
+            lay = self.layout(keys, masks)
+            kept = []
+            for a, m in enumerate(lay):
+                need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
+                gather = np.where(self._reorders[m, m & need], m, m & ~need)
+                kept.append(int(m & ~gather))
+            ins.append(None if kept == [int(m) for m in lay] else kept)
+        produced = [imask[i] for i in sig.outs[0].amap]
+        want = self.layout(sig.outs[0].keys, masks)
+        if sig.kind in ("contract", "reduce"):
+            red = 0
+            for i in sig.reduced:
+                red = red | imask[i]
+            if self.mesh.profile.reduce_scatter:
+                produced = [pr | (w & ~pr & red) for w, pr in zip(want, produced)]
+        out = [int(pr) for pr in produced]
+        if out == [int(w) for w in want]:
+            out = None
+        if all(x is None for x in ins) and out is None:
+            return None
+        return ins, out
+
+    def _iteration_masks(self, sig, masks, order):
+        """Mesh-axis mask per iteration dim: its key's, less the mesh axes
+        a dim earlier in `order` took."""
+        imask = [0] * len(sig.isizes)
+        used = 0
+        for i in order:
+            m = masks[sig.ikeys[i]] & ~used
+            used = used | m
+            imask[i] = m
+        return imask
 
     def gather_cost(self, keys, nb, gmask, masks):
         """One all-gather of a tensor over the mesh axes `gmask`: (time, bytes)."""
@@ -240,12 +289,7 @@ class CostModel:
 
     def _strategy(self, sig, masks, order, detail):
         p = self.mesh.profile
-        imask = [0] * len(sig.isizes)
-        used = 0
-        for i in order:
-            m = masks[sig.ikeys[i]] & ~used
-            used = used | m
-            imask[i] = m
+        imask = self._iteration_masks(sig, masks, order)
         # A scalar: each term then spans only the keys this op touches (the
         # search bounds partial plans by that).
         zero = np.zeros(())
@@ -428,6 +472,20 @@ def _reorders(n_masks: int) -> np.ndarray:
             if kept & group == kept and kept and dropped:
                 out[group, kept] = (dropped & -dropped) < (1 << (kept.bit_length() - 1))
     return out
+
+
+def _orders(sig) -> list:
+    """The iteration orders an op may take: either operand's dims first (a
+    contraction; the operand's, for a reduction), or the result's."""
+    natural = list(range(len(sig.isizes)))
+    orders = []
+    if sig.kind in ("contract", "reduce"):
+        for operand in sig.ins[:1] if sig.kind == "reduce" else sig.ins:
+            first = [i for i in operand.amap if i >= 0]
+            orders.append(first + [i for i in natural if i not in first])
+    if sig.kind != "reduce":
+        orders.append(natural)
+    return orders
 
 
 def _pick(better, new, old):

@@ -257,9 +257,15 @@ def _gather(g, eqn, ins, outs, mult):
             mo[a] = d
     batch_out = [d for d in range(len(g.shapes[out])) if d not in dn.offset_dims]
     mi = [UNMAPPED] * len(g.shapes[indices])
+    # a batching dim pairs an operand dim with an index dim (take_along_axis):
+    # each batch element reads its own slice, so the three are one dim
+    paired = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
     for a, d in zip(range(len(g.shapes[indices]) - 1), batch_out):
         g.union(indices, a, out, d)
         mi[a] = d
+        if a in paired and shape[paired[a]] == g.shapes[out][d]:
+            g.union(operand, paired[a], out, d)
+            mo[paired[a]] = d
     n = len(g.shapes[out])
     collapsed = list(dn.collapsed_slice_dims)
     for k, a in enumerate(collapsed):
@@ -286,14 +292,24 @@ def _scatter_add(g, eqn, ins, outs, mult):
             mu[d] = a
     scatter = [d for d in range(len(g.shapes[updates])) if d not in dn.update_window_dims]
     mi = [UNMAPPED] * len(g.shapes[indices])
+    # a batching dim pairs an index dim with an operand dim (the gradient of
+    # take_along_axis): each batch element adds into its own slice, no sum
+    paired = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+    summed = []
     for k, d in enumerate(scatter):
-        mu[d] = n + k
+        a = paired.get(k)
+        if a is not None and g.shapes[updates][d] == g.shapes[out][a]:
+            g.union(updates, d, out, a)
+            mu[d] = a
+        else:
+            mu[d] = n + len(summed)
+            summed.append(d)
         if k < len(g.shapes[indices]) - 1:
             g.union(indices, k, updates, d)
-            mi[k] = n + k
+            mi[k] = mu[d]
     maps = [(operand, tuple(range(n))), (indices, tuple(mi)), (updates, tuple(mu))]
-    _map_op(g, maps, out, mult, kind="contract", extra=[(updates, d) for d in scatter],
-            reduced=tuple(range(n, n + len(scatter))), flops=_numel(g, updates))
+    _map_op(g, maps, out, mult, kind="contract", extra=[(updates, d) for d in summed],
+            reduced=tuple(range(n, n + len(summed))), flops=_numel(g, updates))
 
 
 @register("concatenate")

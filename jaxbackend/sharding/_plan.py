@@ -15,9 +15,13 @@ layouts that follow:
 * input and output PartitionSpecs (a NamedArray leaf by its dims; every
   leaf by the dim classes the graph inferred for it, so plain arrays of a
   jnp program are laid out the same way);
-* `contraction_specs()`: the layout of every top-level contraction
-  (`einsum`, `dot_general`), which the compile step pins with a sharding
-  constraint so XLA's propagation cannot drift from the plan.
+* `contraction_specs()`: the layout of every contraction (`einsum`,
+  `dot_general`), which the compile step pins with a sharding constraint so
+  XLA's propagation cannot drift from the plan, and the route the cost model
+  costs through it (and through a gather or scatter): operands it gathers,
+  a reduction before a local slice. Pinned too, so that XLA's partitioner
+  cannot take another route (resharding an activation instead of gathering
+  a weight, which it may only manage by replicating it).
 
 Compiling with a plan is `jb.jit(fn, mesh=..., rules=plan)` (jaxbackend/
 jit.py). A rule value is a mesh axis, a tuple of axes, or None (see
@@ -40,6 +44,9 @@ from jaxbackend.sharding._cost import KINDS, CostModel
 from jaxbackend.sharding._mesh import MeshSpec
 
 _CONSTRAIN = {"einsum", "dot_general"}
+# ops whose route the model chooses as a contraction's (`_op_dims`), pinned
+# where the model reshards an operand (an embedding's gradient: the updates)
+_ROUTED = {"gather", "scatter-add", "scatter_add"}
 _is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
 
 
@@ -126,17 +133,49 @@ class Plan:
         return [self.spec(v) if v is not None else PartitionSpec() for v in self.model.g.outvars]
 
     def contraction_specs(self) -> dict:
-        """{contraction equation of `closed`, in scan bodies too: its result's
-        layout}. A body's equation gets its per-iteration layout (the stacked
-        layer dim of a rolled program is never sharded: `_walk._scan`)."""
-        env, out = self.model.g.env, {}
+        """{contraction equation of `closed`, in scan bodies too: (its
+        operands' layouts, None for one used as laid out; its result's
+        layouts, in order)}. The model's route through the op is pinned: an
+        operand it gathers is constrained to the gathered layout, and a
+        result produced on fewer mesh axes than it is laid out on (a
+        reduction, then a local slice) is constrained to that first
+        (`CostModel.route`). A body's equation gets its per-iteration layout
+        (the stacked layer dim of a rolled program is never sharded:
+        `_walk._scan`)."""
+        cm = self.model
+        env, out = cm.g.env, {}
+        producer = {op.outs[0][0]: i for i, op in enumerate(cm.g.ops) if op.outs}
+        routes: dict = {}    # per distinct op (layers repeat)
+
+        def route(v):
+            if v not in producer:
+                return None
+            i = producer[v]
+            k = cm.op_sig[i]
+            if k not in routes:
+                routes[k] = cm.route(i, self.masks)
+            return routes[k]
+
         stack = [self.closed.jaxpr]
         while stack:
             for e in stack.pop().eqns:
-                if e.primitive.name in _CONSTRAIN and e.outvars[0] in env:
-                    out[e] = self.spec(env[e.outvars[0]])
+                name = e.primitive.name
+                if (name in _CONSTRAIN or name in _ROUTED) and e.outvars[0] in env:
+                    v = env[e.outvars[0]]
+                    r = route(v)
+                    if r is None and name not in _CONSTRAIN:
+                        continue
+                    ins, res = [None] * len(e.invars), [self.spec(v)]
+                    if r is not None and len(r[0]) == len(e.invars):
+                        ins = [None if m is None else self._spec(m) for m in r[0]]
+                        if r[1] is not None:
+                            res.insert(0, self._spec(r[1]))
+                    out[e] = (ins, res)
                 stack.extend(_jax.sub_jaxprs(e))
         return out
+
+    def _spec(self, masks) -> PartitionSpec:
+        return PartitionSpec(*[self.mesh.axes(int(m)) for m in masks])
 
     def stack_eqns(self) -> set:
         """The `concatenate` equations of `closed` (in scan bodies too) that

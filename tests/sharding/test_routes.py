@@ -1,0 +1,83 @@
+"""The compiled step runs each contraction, gather and scatter the way the
+cost model costs it (`CostModel.route`, pinned by `Plan.contraction_specs`):
+an operand the model gathers is gathered, a result the model reduces and
+then slices is reduced first; and a batching dim (take_along_axis and its
+gradient) is one dim with its operand's, never a gather."""
+
+import jax
+from flax import nnx
+
+import jaxbackend as jb
+from jaxbackend import named as nx
+from jaxbackend import nn, sharding, testing
+
+REMAT = "Involuntary full rematerialization"
+
+
+class _Conditioned(nnx.Module):
+    """A class embedding read by a projection (an adaLN conditioning)."""
+
+    def __init__(self, rngs):
+        self.cls = nn.Embedding(10, 128, vocab_dim="cls", rngs=rngs)
+        self.ada = nn.Linear({"cemb": 128}, {"mod": 4, "embd": 64}, rngs=rngs)
+
+    def loss(self, labels):
+        c = self.cls(nx.as_named(labels, ("batch",))).rename(embd="cemb")
+        h = self.ada(nx.silu(c))
+        return (h * h).values.mean()
+
+
+def _total(colls) -> float:
+    return sum(c["bytes"] for c in colls.values())
+
+
+def test_a_gathered_operand_and_a_reduced_then_sliced_result_compile_as_costed(mesh24, capfd):
+    # cemb on data, batch on (data, model): the model gathers the weights'
+    # cemb for the forward projection and all-reduces the gradients over
+    # batch, then slices them to cemb on data. Left to itself, XLA instead
+    # reshards the (batch, cemb) activation and the embedding gradient's
+    # updates to cemb on data, which it can only do by replicating them
+    # (the warning), plus all-to-alls and permutes the model never saw.
+    params, loss = nn.functional(_Conditioned(nnx.Rngs(0)), "loss")
+    labels = jax.random.randint(jax.random.key(1), (16,), 0, 10)
+    grad = jax.grad(loss)
+    f = jb.jit(grad, mesh=mesh24, rules={"batch": ("data", "model"), "cemb": "data"})
+    got = f(params, labels)
+    pins = f.plan.contraction_specs().values()
+    assert any(any(s is not None for s in ins) for ins, _ in pins), "an operand is gathered"
+    assert any(len(res) == 2 for _, res in pins), "a result is reduced, then sliced"
+    colls = sharding.hlo_collectives(f.lower(params, labels).compile().as_text())
+    assert REMAT not in capfd.readouterr().err
+    assert colls["all-to-all"]["count"] == 0 and colls["collective-permute"]["count"] == 0, colls
+    cost = f.plan.cost
+    modelled = sum(getattr(cost, k).bytes for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                    "all_to_all"))
+    assert abs(_total(colls) - modelled) <= 0.1 * modelled, (colls, cost)
+    testing.assert_close(got, grad(params, labels), scale=lambda: testing.abs_scale(grad, params, labels),
+                         what="gradient under the pinned routes")
+
+
+def test_take_along_axis_and_its_gradient_keep_the_batch_dim():
+    # a take along one dim gathers with batching dims (the others), and its
+    # gradient scatters with them: each batch row reads and writes its own row, so
+    # data parallelism moves no activations (the model used to charge an
+    # all-gather of the indices and updates, and pinning that route would
+    # have made XLA emit it)
+    def loss(logits, y):    # the language-model loss: a take along vocab
+        return nx.cross_entropy(nx.as_named(logits, ("batch", "time", "vocab")),
+                                nx.as_named(y, ("batch", "time")), dim="vocab").values.mean()
+
+    logits = jax.random.normal(jax.random.key(0), (16, 8, 32))
+    y = jax.random.randint(jax.random.key(1), (16, 8), 0, 32)
+    grad = jax.grad(loss)
+    f = jb.jit(grad, mesh=sharding.auto_mesh((8,), ("data",)), rules={"args[0]:0": "data"})
+    got = f(logits, y)
+    # the targets' batch is the logits' (one dim through the batching dims)
+    assert f.plan.in_specs()[1][0] == "data", f.plan.in_specs()
+    assert f.plan.cost.all_gather.bytes == 0, f.plan.cost
+    assert not [ins for ins, _ in f.plan.contraction_specs().values()
+                if any(s is not None for s in ins)]
+    colls = sharding.hlo_collectives(f.lower(logits, y).compile().as_text())
+    assert _total(colls) == 0, colls
+    testing.assert_close(got, grad(logits, y), scale=lambda: testing.abs_scale(grad, logits, y),
+                         what="take_along_axis gradient")
