@@ -32,6 +32,8 @@ Per op (evaluated once per distinct op, times its multiplicity):
   between gathering an operand and reducing a partial result; like XLA, an
   alternative to keeping operands in place must be >10% cheaper to win.
   Reductions always reduce in place (XLA never gathers a reduce's operand).
+  The route kept (`route`: operands gathered, a result reduced before a
+  slice) is pinned in the compiled step, so XLA takes it too.
 
 Collectives use the alpha-beta ring formulas (`_ring`, shared with the HLO
 reader) on the group's slowest link, S the full (gathered / unreduced)
