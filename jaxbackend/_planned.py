@@ -109,9 +109,9 @@ def run_planned(plan, leaves) -> list:
     """Evaluate the plan's program on `leaves` with its layouts pinned: a
     sharding constraint on every input, every output and every contraction,
     and on the operands and results of the route the cost model took through
-    a contraction, gather or scatter (`Plan.contraction_specs`; XLA's
-    propagation fills in the rest); stacks of sharded per-layer values built
-    on a new axis (`Plan.stack_eqns`)."""
+    a gather or scatter (`Plan.contraction_specs`; XLA's propagation fills
+    in the rest); stacks of sharded per-layer values built on a new axis
+    (`Plan.stack_eqns`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
     cons = {e: ([None if s is None else plan.sharding(s) for s in ins],
                 [plan.sharding(s) for s in res])

@@ -32,8 +32,8 @@ Per op (evaluated once per distinct op, times its multiplicity):
   between gathering an operand and reducing a partial result; like XLA, an
   alternative to keeping operands in place must be >10% cheaper to win.
   Reductions always reduce in place (XLA never gathers a reduce's operand).
-  The route kept (`route`: operands gathered, a result reduced before a
-  slice) is pinned in the compiled step, so XLA takes it too.
+  A gather's or scatter's route (`route`: operands gathered) is pinned in
+  the compiled step, so XLA takes it too.
 
 Collectives use the alpha-beta ring formulas (`_ring`, shared with the HLO
 reader) on the group's slowest link, S the full (gathered / unreduced)
@@ -212,9 +212,10 @@ class CostModel:
         per axis it is gathered to, None where it is used in place; per
         result axis, the mask its iteration layout produces after its
         reduction, None where that is the result's layout). None: as laid
-        out. `Plan.contraction_specs` pins these, so that XLA's partitioner
-        runs the op the way it was costed (left to itself, it may reshard an
-        operand instead, even one it cannot reshard but by replicating it)."""
+        out. `Plan.contraction_specs` pins these for gathers and scatters,
+        so that XLA's partitioner runs them the way they were costed (left to
+        itself, it may reshard an operand instead, even one it cannot reshard
+        but by replicating it)."""
         i = self.op_sig[op_index]
         if i is None:
             return None
@@ -228,27 +229,32 @@ class CostModel:
         imask = self._iteration_masks(sig, masks, chosen)
         ins = []
         for keys, _, amap in sig.ins:
-            lay = self.layout(keys, masks)
-            kept = []
-            for a, m in enumerate(lay):
-                need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
-                gather = np.where(self._reorders[m, m & need], m, m & ~need)
-                kept.append(int(m & ~gather))
-            ins.append(None if kept == [int(m) for m in lay] else kept)
+            axes = self._operand_gathers(keys, amap, imask, masks)
+            ins.append([int(m & ~g) for m, g in axes] if any(int(g) for _, g in axes) else None)
         produced = [imask[i] for i in sig.outs[0].amap]
         want = self.layout(sig.outs[0].keys, masks)
-        if sig.kind in ("contract", "reduce"):
-            red = 0
+        if sig.kind in ("contract", "reduce") and self.mesh.profile.reduce_scatter:
+            red = 0       # reduce-scattered onto the axes the result wants (`_strategy`)
             for i in sig.reduced:
                 red = red | imask[i]
-            if self.mesh.profile.reduce_scatter:
-                produced = [pr | (w & ~pr & red) for w, pr in zip(want, produced)]
+            produced = [pr | (w & ~pr & red) for w, pr in zip(want, produced)]
         out = [int(pr) for pr in produced]
         if out == [int(w) for w in want]:
             out = None
         if all(x is None for x in ins) and out is None:
             return None
         return ins, out
+
+    def _operand_gathers(self, keys, amap, imask, masks) -> list:
+        """Per axis of an operand laid out by `keys`, used in iteration
+        layout `imask`: (its mesh axes, those it is gathered over)."""
+        out = []
+        for a, m in enumerate(self.layout(keys, masks)):
+            need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
+            # keeping a minor axis of the dim's group without its major one
+            # reorders the tiles: a gather of the whole group
+            out.append((m, np.where(self._reorders[m, m & need], m, m & ~need)))
+        return out
 
     def _iteration_masks(self, sig, masks, order):
         """Mesh-axis mask per iteration dim: its key's, less the mesh axes
@@ -301,11 +307,8 @@ class CostModel:
         extras = []
         for keys, nb, amap in sig.ins:   # operand resharding (charged per variable)
             gather = 0
-            for a, m in enumerate(self.layout(keys, masks)):
-                need = imask[amap[a]] if amap[a] >= 0 else (0 if amap[a] == REPLICATED else m)
-                # keeping a minor axis of the dim's group without its major one
-                # reorders the tiles: a gather of the whole group
-                gather = gather | np.where(self._reorders[m, m & need], m, m & ~need)
+            for _, g in self._operand_gathers(keys, amap, imask, masks):
+                gather = gather | g
             t_in = t_in + self.gather_cost(keys, nb, gather, masks)[0]
             extras.append(gather)
         ishard = self._shard(imask)

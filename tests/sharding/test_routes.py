@@ -1,8 +1,7 @@
-"""The compiled step runs each contraction, gather and scatter the way the
-cost model costs it (`CostModel.route`, pinned by `Plan.contraction_specs`):
-an operand the model gathers is gathered, a result the model reduces and
-then slices is reduced first; and a batching dim (take_along_axis and its
-gradient) is one dim with its operand's, never a gather."""
+"""The compiled step runs each gather and scatter the way the cost model
+costs it (`CostModel.route`, pinned by `Plan.contraction_specs`): an operand
+the model gathers is gathered; and a batching dim (a take along one dim and
+its gradient) is one dim with its operand's, never a gather."""
 
 import jax
 from flax import nnx
@@ -27,32 +26,22 @@ class _Conditioned(nnx.Module):
         return (h * h).values.mean()
 
 
-def _total(colls) -> float:
-    return sum(c["bytes"] for c in colls.values())
-
-
-def test_a_gathered_operand_and_a_reduced_then_sliced_result_compile_as_costed(mesh24, capfd):
-    # cemb on data, batch on (data, model): the model gathers the weights'
-    # cemb for the forward projection and all-reduces the gradients over
-    # batch, then slices them to cemb on data. Left to itself, XLA instead
-    # reshards the (batch, cemb) activation and the embedding gradient's
-    # updates to cemb on data, which it can only do by replicating them
-    # (the warning), plus all-to-alls and permutes the model never saw.
+def test_an_embedding_gradient_gathers_its_updates_as_costed(mesh24, capfd):
+    # cemb on data, batch on (data, model): the model gathers the gradient's
+    # (batch, cemb) updates and adds them into the table's cemb slice. Left
+    # to itself, XLA reshards the updates to cemb on data, which it can only
+    # do by replicating them (the warning), with all-to-alls and permutes.
     params, loss = nn.functional(_Conditioned(nnx.Rngs(0)), "loss")
     labels = jax.random.randint(jax.random.key(1), (16,), 0, 10)
     grad = jax.grad(loss)
     f = jb.jit(grad, mesh=mesh24, rules={"batch": ("data", "model"), "cemb": "data"})
     got = f(params, labels)
-    pins = f.plan.contraction_specs().values()
-    assert any(any(s is not None for s in ins) for ins, _ in pins), "an operand is gathered"
-    assert any(len(res) == 2 for _, res in pins), "a result is reduced, then sliced"
+    pinned = [e.primitive.name for e, (ins, _) in f.plan.contraction_specs().items()
+              if any(s is not None for s in ins)]
+    assert sorted(pinned) == ["gather", "scatter-add"], pinned   # the lookup's table too
     colls = sharding.hlo_collectives(f.lower(params, labels).compile().as_text())
     assert REMAT not in capfd.readouterr().err
     assert colls["all-to-all"]["count"] == 0 and colls["collective-permute"]["count"] == 0, colls
-    cost = f.plan.cost
-    modelled = sum(getattr(cost, k).bytes for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                                    "all_to_all"))
-    assert abs(_total(colls) - modelled) <= 0.1 * modelled, (colls, cost)
     testing.assert_close(got, grad(params, labels), scale=lambda: testing.abs_scale(grad, params, labels),
                          what="gradient under the pinned routes")
 
@@ -78,6 +67,6 @@ def test_take_along_axis_and_its_gradient_keep_the_batch_dim():
     assert not [ins for ins, _ in f.plan.contraction_specs().values()
                 if any(s is not None for s in ins)]
     colls = sharding.hlo_collectives(f.lower(logits, y).compile().as_text())
-    assert _total(colls) == 0, colls
+    assert sum(c["bytes"] for c in colls.values()) == 0, colls
     testing.assert_close(got, grad(logits, y), scale=lambda: testing.abs_scale(grad, logits, y),
                          what="take_along_axis gradient")
