@@ -148,7 +148,8 @@ class Plan:
         memory model counts (measured: 2-8 MiB more per device, an
         encoder-decoder's prediction 0.81 -> 0.78 of XLA's)."""
         cm = self.model
-        env, out = cm.g.env, {}
+        env = cm.g.env
+        out: dict = {}
         producer = {op.outs[0][0]: i for i, op in enumerate(cm.g.ops) if op.outs}
         routes: dict = {}    # per distinct op (layers repeat)
 
