@@ -258,12 +258,9 @@ class CostModel:
 
     def _iteration_masks(self, sig, masks, order):
         """Mesh-axis mask per iteration dim: its key's, less the mesh axes
-        a dim earlier in `order` took."""
+        a dim earlier in `order` took (`layout` of the dims in that order)."""
         imask = [0] * len(sig.isizes)
-        used = 0
-        for i in order:
-            m = masks[sig.ikeys[i]] & ~used
-            used = used | m
+        for i, m in zip(order, self.layout([sig.ikeys[i] for i in order], masks)):
             imask[i] = m
         return imask
 

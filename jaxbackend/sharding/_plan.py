@@ -111,8 +111,7 @@ class Plan:
     def spec(self, var: int) -> PartitionSpec:
         """Layout of graph variable `var` under the plan."""
         keys = self.model.var_keys[var]
-        masks = self.model.layout(keys, self.masks)   # an axis shards one dim of a tensor
-        return PartitionSpec(*[self.mesh.axes(int(m)) for m in masks])
+        return self._spec(self.model.layout(keys, self.masks))   # an axis shards one dim
 
     def spec_for_dims(self, dims) -> PartitionSpec:
         """Layout of a tensor with these dim names under the rules."""
@@ -178,6 +177,7 @@ class Plan:
         return out
 
     def _spec(self, masks) -> PartitionSpec:
+        """A layout given as a mesh-axis mask per axis."""
         return PartitionSpec(*[self.mesh.axes(int(m)) for m in masks])
 
     def stack_eqns(self) -> set:
