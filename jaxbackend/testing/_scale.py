@@ -87,7 +87,13 @@ def _var_eval(closed, args, vs) -> tuple:
     var: dict = {}
 
     def read(v):
-        return (v.val, None) if isinstance(v, _jax.Literal) else (env[v], var.get(v))
+        # a literal as an array of its own dtype: JAX 0.10 keeps a float
+        # literal as a Python float subclass, which under x64 (the variance
+        # program) becomes float64 where a rule computes with it (the
+        # derivative of `pow` by a literal exponent: an optax schedule's)
+        if isinstance(v, _jax.Literal):
+            return np.asarray(v.val, v.aval.dtype), None
+        return env[v], var.get(v)
 
     env.update(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, args))

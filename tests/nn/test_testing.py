@@ -121,6 +121,23 @@ def test_abs_scale_of_contractions_and_programs():
     assert j_scale.shape == (3,) and j_scale.max() == 0.0
 
 
+
+def test_abs_scale_of_a_pow_by_a_float_literal_on_a_weak_typed_value():
+    # optax's cosine schedule raises its (weak-typed) decay to the literal
+    # power 1.0: the derivative rule met the literal as float64 under x64
+    # and raised a dtype error (a training step with that schedule could
+    # not be compared at all)
+    import optax
+
+    def f(c):   # variances (units of u**2): convert 9; mul 2.25 + 0.25 * 9; pow 2.25 + 1 * 4.5
+        return jnp.power(0.5 * c, 1.0)
+
+    assert "weak_type=True" in str(jax.make_jaxpr(f)(jnp.int32(3)))
+    np.testing.assert_allclose(testing.abs_scale(f, jnp.int32(3)), np.sqrt(6.75), rtol=1e-12)
+    schedule = optax.cosine_decay_schedule(1e-3, 100)
+    scale = testing.abs_scale(schedule, jnp.int32(3))
+    assert np.isfinite(scale) and scale > abs(float(schedule(3)))
+
 def test_exact_kinds_and_patterns():
     testing.assert_close(jnp.array([1, 2], jnp.int32), np.array([1, 2]))
     with pytest.raises(AssertionError, match="integer/bool values differ"):
