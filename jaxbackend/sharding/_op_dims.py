@@ -167,14 +167,28 @@ def _unstack_split(g, v, out) -> None:
     the plan shards the parts' axis 0, so the concatenate keeps each part's
     layout: its parts' axis 0 asks for no gather here (measured: as one
     concatenate of the merged rows, XLA all-to-alls every sharded part, 36
-    MiB per device on a 16-layer MLP; on a new axis, nothing)."""
+    MiB per device on a 16-layer MLP; on a new axis, nothing).
+
+    The concatenate's iteration space becomes `out`'s, (n,) + s, so each part's
+    axis a is iteration dim a + 1 (no gather, the parts keep their layout) and
+    its copy is charged per device as the parts are sharded. Over `v`'s own
+    axes it was charged whole on every device wherever the parts' axis 0 is
+    sharded, since `v`'s merged axis 0 follows its major factor, the layers
+    (measured: a step whose forward is not rolled, so reroll stacks each
+    layer's batch-major activations for the rolled backward, was modelled
+    52 ms slower under data parallelism than it is, and the search sharded
+    the sequence instead, for 6x data parallelism's bytes in the HLO)."""
     hit = g.stack_parts.get(v)
     if hit and g.shapes[out] == (len(hit[0]),) + g.shapes[hit[0][0]]:
         parts, i = hit
         for w in parts:
             g.union(w, 0, out, 1)
-        op = g.ops[i]
-        g.ops[i] = op._replace(ins=tuple((w, (UNMAPPED,) + m[1:]) for w, m in op.ins))
+        n = len(g.shapes[out])
+        g.ops[i] = g.ops[i]._replace(
+            isizes=tuple(g.shapes[out]), iclass=tuple((out, a) for a in range(n)),
+            ins=tuple((w, tuple(range(1, n))) for w in parts),
+            # v's axis 0 merges out's axes 0 and 1; it follows the major one
+            outs=((v, (0,) + tuple(range(2, n))),))
         g.stacks.add(v)
 
 
