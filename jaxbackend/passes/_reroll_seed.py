@@ -40,6 +40,15 @@ later contribution already is when added: a difference below float32's
 smallest normal, within the float reassociation `reroll` allows. Only real
 floating heads are seeded (a complex -0.0 seed has a +0.0 imaginary part);
 the literal keeps its sign through `cse` (literals are keyed by their bytes).
+
+`lifted(jaxpr)` is the third seed, tried before the runs are found: the data
+operand of every `random_fold_in` that is a literal becomes a variable of the
+same value (made before everything). A dropout key folded with the layer
+index (`fold_in(key, i)`) makes each layer's block differ in that literal,
+so none repeats; read from variables, the blocks repeat and each reads its
+own index as a per-layer input, stacked for the scan as weights are. The
+values stay the same: the variable holds the literal's value in its dtype,
+and `random_fold_in` reads only that value.
 """
 
 from __future__ import annotations
@@ -162,3 +171,24 @@ def seeded(jaxpr, runs):
 
 def covered(runs) -> int:
     return sum(r.period * r.repeats for r in runs)
+
+
+def lifted(jaxpr):
+    """(jaxpr with every literal data operand of `random_fold_in` read from a
+    variable of its value, number lifted), or (None, 0) when there is none."""
+    fills: dict = {}
+    top: list = []
+    new: list = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "random_fold_in" and isinstance(e.invars[1], _jax.Literal):
+            lit = e.invars[1]
+            value = _jax.literal_value(lit)
+            key = (value.dtype, value.tobytes())
+            if key not in fills:
+                eqns, fills[key] = _fill(value, lit.aval)
+                top.extend(eqns)
+            e = e.replace(invars=[e.invars[0], fills[key]])
+        new.append(e)
+    if not top:
+        return None, 0
+    return _jax.jaxpr_with(jaxpr, eqns=top + new), len(fills)

@@ -152,19 +152,20 @@ def test_skip_connection_across_two_layers_is_not_rolled():
     _check_chain(lambda x, ws: _chain(x, ws, skip=True), _chain_ws(5), [])
 
 
-def test_dropout_key_differing_per_layer_is_not_rolled():
+def test_dropout_key_folded_with_the_layer_index_rolls():
+    # each layer folds its own index into the key, a literal per layer:
+    # `_reroll_seed.lifted` reads the indices from variables, which the
+    # forward scan takes as a per-layer input (the backward reads only masks)
     key = jax.random.PRNGKey(3)
     fn = lambda x, ws: _chain(x, ws, key=key)  # noqa: E731
     ws, x = _chain_ws(4), rand(7, 3, 6)
     fwd = jax.make_jaxpr(lambda x, ws: fn(x, ws)[0])(x, ws)
-    assert reroll(fwd) is fwd          # forward blocks differ in the folded literal
-    # with grads: the forward stays unrolled (4 fold_ins at top level); the
-    # backward blocks read only the masks, not the keys, so they are truly
-    # identical and may roll
-    out = _check_chain(fn, ws, [4])
-    folds = [e for e in out.jaxpr.eqns if e.primitive.name == "random_fold_in"]
-    assert sorted(int(e.invars[1].val) for e in folds) == [0, 1, 2, 3]
-    assert len(_scans(out)) == 1
+    rolled, stats = reroll_with_stats(fwd)
+    assert stats.repeats == [4] and stats.seeds == 4
+    assert_same_values(fwd, rolled, jax.tree.leaves((x, ws)))
+    out = _check_chain(fn, ws, [4, 4])
+    assert not [e for e in out.jaxpr.eqns if e.primitive.name == "random_fold_in"]   # in the scan
+    assert len(_scans(out)) == 2
 
 
 def test_dropout_with_one_shared_key_rolls():

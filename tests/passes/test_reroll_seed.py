@@ -136,3 +136,35 @@ def test_a_seeded_encoder_decoder_step_under_a_mesh_equals_jax_jit():
     assert "reroll.seeds: 0" not in report and "reroll.blocks_rolled: 24" in report, report
     testing.assert_close(f(*args), jax.jit(vg)(*args), scale=lambda: testing.abs_scale(vg, *args),
                          what="seeded encoder-decoder gradient under a mesh")
+
+
+def _dropout_loss(key, x, ws):
+    for i, (w1, w2) in enumerate(ws):
+        h = jnp.tanh(x @ w1) @ w2
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, h.shape)
+        x = x + jnp.where(keep, h / 0.8, 0.0)
+    return (x ** 2).sum()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_dropout_keys_folded_with_the_layer_index_roll_every_layer(grad):
+    # fold_in(key, i): each layer reads its own literal i, so no two blocks
+    # are alike until `_reroll_seed.lifted` reads the indices from variables
+    layers = 6
+    ws = [(rand(10 + i, D, 8) * .4, rand(40 + i, 8, D) * .4) for i in range(layers)]
+    args = (jax.random.key(5), rand(7, 3, D), ws)
+    fn = jax.value_and_grad(_dropout_loss, argnums=(1, 2)) if grad else _dropout_loss
+    closed = jax.make_jaxpr(fn)(*args)
+    leaves = jax.tree.leaves(args)
+    # unlifted, only the backward layers (their masks are residuals) repeat
+    raw = [r.repeats for r in _reroll_find.find_runs(closed.jaxpr, 2)]
+    assert raw == ([layers] if grad else []), raw
+    out, stats = reroll_with_stats(closed)
+    assert stats.repeats == [layers] * (2 if grad else 1) and stats.seeds == layers
+    want = jax.jit(_jax.jaxpr_as_fun(closed))(*leaves)
+    got = jax.jit(_jax.jaxpr_as_fun(out))(*leaves)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):   # the same masks: every bit
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+    lifted, n = _reroll_seed.lifted(closed.jaxpr)
+    assert n == layers and not [e for e in lifted.eqns if e.primitive.name == "random_fold_in"
+                                and isinstance(e.invars[1], _jax.Literal)]
