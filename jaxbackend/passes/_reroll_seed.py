@@ -41,20 +41,25 @@ smallest normal, within the float reassociation `reroll` allows. Only real
 floating heads are seeded (a complex -0.0 seed has a +0.0 imaginary part);
 the literal keeps its sign through `cse` (literals are keyed by their bytes).
 
-`lifted(jaxpr)` is the third seed, tried before the runs are found: the data
-operand of every `random_fold_in` that is a literal becomes a variable of the
-same value (made before everything). A dropout key folded with the layer
-index (`fold_in(key, i)`) makes each layer's block differ in that literal,
-so none repeats; read from variables, the blocks repeat and each reads its
-own index as a per-layer input, stacked for the scan as weights are. The
-values stay the same: the variable holds the literal's value in its dtype,
-and `random_fold_in` reads only that value.
+`lifted(jaxpr)` is the third seed, tried before the runs are found, for
+per-layer dropout keys. A key folded with the layer index (`fold_in(key, i)`)
+makes each layer's block differ in that literal, and keys split once and
+read per layer (`keys[i]`, a static slice and a squeeze in each layer) in
+the slice's index, so no block repeats. The data operand of every
+`random_fold_in` that is a literal becomes a variable of the same value
+(made before everything), and each key slice (with its squeeze) moves to
+right after the keys are made; the blocks then repeat, and each reads its
+own index or key as a per-layer input, stacked for the scan as weights are.
+The values stay the same: the variable holds the literal's value in its
+dtype, `random_fold_in` reads only that value, and a slice of keys moved
+earlier reads the same keys (pure equations; only their order changes).
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -173,13 +178,32 @@ def covered(runs) -> int:
     return sum(r.period * r.repeats for r in runs)
 
 
+def _key_slice(e, sliced) -> bool:
+    """A static slice of a key array, or the squeeze of one (`keys[i]`)."""
+    if e.primitive.name == "slice":
+        v = e.invars[0]
+        return _jax.is_var(v) and jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+    return e.primitive.name == "squeeze" and _jax.is_var(e.invars[0]) and e.invars[0] in sliced
+
+
 def lifted(jaxpr):
-    """(jaxpr with every literal data operand of `random_fold_in` read from a
-    variable of its value, number lifted), or (None, 0) when there is none."""
+    """(jaxpr with per-layer keys made before the layers, number of changes),
+    or (None, 0) when there is nothing to change: every literal data operand
+    of `random_fold_in` read from a variable of its value, and every
+    `keys[i]` of split keys (a static slice and its squeeze) moved to right
+    after the keys are made."""
     fills: dict = {}
     top: list = []
-    new: list = []
+    after: dict = {}        # var -> the key slices (squeezes) that read it, moved up
+    sliced: set = set()
+    rest: list = []
+    n = 0
     for e in jaxpr.eqns:
+        if _key_slice(e, sliced):
+            after.setdefault(e.invars[0], []).append(e)
+            sliced.add(e.outvars[0])
+            n += e.primitive.name == "slice"
+            continue
         if e.primitive.name == "random_fold_in" and isinstance(e.invars[1], _jax.Literal):
             lit = e.invars[1]
             value = _jax.literal_value(lit)
@@ -188,7 +212,22 @@ def lifted(jaxpr):
                 eqns, fills[key] = _fill(value, lit.aval)
                 top.extend(eqns)
             e = e.replace(invars=[e.invars[0], fills[key]])
-        new.append(e)
-    if not top:
+        rest.append(e)
+    if not top and not after:
         return None, 0
-    return _jax.jaxpr_with(jaxpr, eqns=top + new), len(fills)
+    new: list = []
+
+    def emit(e):
+        new.append(e)
+        for v in e.outvars:
+            for m in after.pop(v, ()):
+                emit(m)
+
+    for e in top:
+        emit(e)
+    for v in jaxpr.invars:
+        for m in after.pop(v, ()):
+            emit(m)
+    for e in rest:
+        emit(e)
+    return _jax.jaxpr_with(jaxpr, eqns=new), len(fills) + n

@@ -67,9 +67,9 @@ Leaves alone: equations outside runs (kept unchanged, in order, except the
 vectorised element-wise tail above), blocks
 that differ in any parameter, shape, literal or data flow (e.g. a last layer
 of another width, a skip connection across two layers, a per-layer literal
-(but a dropout key folded with the layer index is read from variables
-first, `_reroll_seed.lifted`; keys split once and indexed per layer still
-differ in their slices' indices), a per-layer custom_vjp
+(but per-layer dropout keys, folded with the layer index or split once
+and indexed per layer, are made before the layers first,
+`_reroll_seed.lifted`), a per-layer custom_vjp
 rule or callback: function-valued parameters are compared by identity, see
 `_reroll_find`), effectful equations (never merged, kept in place), a
 run inside an open sub-jaxpr (remat) whose rolled form would need an array
@@ -101,7 +101,7 @@ class RerollStats:
     stacks_reused: int = 0         # per-block input lists read from an earlier stack
     vectorized: int = 0            # element-wise families applied once to stacks
     vectorized_eqns: int = 0       # the per-block equations those replaced
-    seeds: int = 0                 # sums, literal carries and fold_in literals seeded (`_reroll_seed`)
+    seeds: int = 0                 # sums, literal carries, per-layer keys seeded (`_reroll_seed`)
 
     @property
     def repeats(self) -> list:
