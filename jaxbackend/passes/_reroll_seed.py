@@ -225,9 +225,11 @@ def lifted(jaxpr):
 
     for e in top:
         emit(e)
-    for v in jaxpr.invars:
+    for v in [*jaxpr.constvars, *jaxpr.invars]:
         for m in after.pop(v, ()):
             emit(m)
     for e in rest:
         emit(e)
+    if after:   # keys made nowhere in this jaxpr (cannot happen): leave it as it was
+        return None, 0
     return _jax.jaxpr_with(jaxpr, eqns=new), len(fills) + n

@@ -178,7 +178,7 @@ class _Splicer:
         neither this jaxpr nor any sub-jaxpr changed."""
         min_repeats = self._min_repeats(jaxpr)
         runs = find_runs(jaxpr, min_repeats, self.keys)
-        lifted, n = _reroll_seed.lifted(jaxpr)   # per-layer fold_in literals
+        lifted, n = _reroll_seed.lifted(jaxpr)   # per-layer dropout keys
         if lifted is not None:
             more = find_runs(lifted, min_repeats, self.keys)
             if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
