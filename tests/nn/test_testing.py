@@ -121,7 +121,6 @@ def test_abs_scale_of_contractions_and_programs():
     assert j_scale.shape == (3,) and j_scale.max() == 0.0
 
 
-
 def test_abs_scale_of_a_pow_by_a_float_literal_on_a_weak_typed_value():
     # optax's cosine schedule raises its (weak-typed) decay to the literal
     # power 1.0: the derivative rule met the literal as float64 under x64
@@ -137,6 +136,7 @@ def test_abs_scale_of_a_pow_by_a_float_literal_on_a_weak_typed_value():
     schedule = optax.cosine_decay_schedule(1e-3, 100)
     scale = testing.abs_scale(schedule, jnp.int32(3))
     assert np.isfinite(scale) and scale > abs(float(schedule(3)))
+
 
 def test_exact_kinds_and_patterns():
     testing.assert_close(jnp.array([1, 2], jnp.int32), np.array([1, 2]))

@@ -1,7 +1,7 @@
 """`reroll` on an encoder-decoder shape: jitted encoder blocks next to an
 inlined decoder (candidate periods), and the decoder's cross-layer gradient
-sum of the encoder output; a sum over layers started at a literal
-(`_reroll_seed`)."""
+sum of the encoder output; a sum over layers started at a literal;
+per-layer dropout keys (`_reroll_seed`)."""
 
 from __future__ import annotations
 
