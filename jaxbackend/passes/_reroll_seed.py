@@ -133,6 +133,25 @@ def _fill(value, aval):
     return b.eqns, z
 
 
+class _Fills:
+    """One fill variable per (shape, dtype, value) (`_fill`); the equations
+    that make them, in order, in `eqns` (placed before everything)."""
+
+    def __init__(self):
+        self.eqns: list = []
+        self._vars: dict = {}
+
+    def __call__(self, value, aval):
+        key = (aval.shape, np.dtype(aval.dtype), np.asarray(value, aval.dtype).tobytes())
+        if key not in self._vars:
+            eqns, self._vars[key] = _fill(value, aval)
+            self.eqns.extend(eqns)
+        return self._vars[key]
+
+    def __len__(self) -> int:
+        return len(self._vars)
+
+
 def seeded(jaxpr, runs):
     """(seeded jaxpr, number of seeds), or (None, 0) when no run has a
     cross-layer sum started in the block before it or a literal there that
@@ -145,25 +164,16 @@ def seeded(jaxpr, runs):
         _literal_carries(jaxpr, run, sites)
     if not heads and not sites:
         return None, 0
-    top: list = []
     after: dict = {}                       # producer index -> [new eqn]
     env: dict = {}
-    fills: dict = {}
-
-    def fill(value, aval):
-        key = (aval.shape, np.dtype(aval.dtype), np.asarray(value, aval.dtype).tobytes())
-        if key not in fills:
-            eqns, fills[key] = _fill(value, aval)
-            top.extend(eqns)
-        return fills[key]
-
+    fill = _Fills()
     for h, (p, link) in heads.items():
         s = _jax.new_var(h.aval)
         after.setdefault(p, []).append(link.replace(invars=[fill(-0.0, h.aval), h], outvars=[s]))
         env[h] = s
     new_lits = {site: fill(_jax.literal_value(jaxpr.eqns[site[0]].invars[site[1]]), aval)
                 for site, aval in sites.items()}
-    new = list(top)
+    new = list(fill.eqns)
     for i, e in enumerate(jaxpr.eqns):
         if any(_jax.is_var(v) and v in env for v in e.invars) or any(
                 (i, k) in new_lits for k in range(len(e.invars))):
@@ -192,8 +202,7 @@ def lifted(jaxpr):
     of `random_fold_in` read from a variable of its value, and every
     `keys[i]` of split keys (a static slice and its squeeze) moved to right
     after the keys are made."""
-    fills: dict = {}
-    top: list = []
+    fill = _Fills()
     after: dict = {}        # var -> the key slices (squeezes) that read it, moved up
     sliced: set = set()
     rest: list = []
@@ -206,14 +215,9 @@ def lifted(jaxpr):
             continue
         if e.primitive.name == "random_fold_in" and isinstance(e.invars[1], _jax.Literal):
             lit = e.invars[1]
-            value = _jax.literal_value(lit)
-            key = (value.dtype, value.tobytes())
-            if key not in fills:
-                eqns, fills[key] = _fill(value, lit.aval)
-                top.extend(eqns)
-            e = e.replace(invars=[e.invars[0], fills[key]])
+            e = e.replace(invars=[e.invars[0], fill(_jax.literal_value(lit), lit.aval)])
         rest.append(e)
-    if not top and not after:
+    if not len(fill) and not after:
         return None, 0
     new: list = []
 
@@ -223,7 +227,7 @@ def lifted(jaxpr):
             for m in after.pop(v, ()):
                 emit(m)
 
-    for e in top:
+    for e in fill.eqns:
         emit(e)
     for v in [*jaxpr.constvars, *jaxpr.invars]:
         for m in after.pop(v, ()):
@@ -232,4 +236,4 @@ def lifted(jaxpr):
         emit(e)
     if after:   # keys made nowhere in this jaxpr (cannot happen): leave it as it was
         return None, 0
-    return _jax.jaxpr_with(jaxpr, eqns=new), len(fills) + n
+    return _jax.jaxpr_with(jaxpr, eqns=new), len(fill) + n

@@ -173,23 +173,24 @@ class _Splicer:
         split = [len(e.outvars) for e in jaxpr.eqns if _stacked.splits_entries(e)]
         return max(2, min([self.min_repeats, *split]))
 
+    def _if_more(self, jaxpr, runs, seeded, n, min_repeats) -> tuple:
+        """(seeded, its runs) where its runs cover more equations than
+        `runs` (`n` seeds counted), else (jaxpr, runs)."""
+        if seeded is not None:
+            more = find_runs(seeded, min_repeats, self.keys)
+            if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
+                self.stats.seeds += n
+                return seeded, more
+        return jaxpr, runs
+
     def _walk(self, jaxpr, b):
         """The new outvars (equations into builder `b`), or None when
         neither this jaxpr nor any sub-jaxpr changed."""
         min_repeats = self._min_repeats(jaxpr)
         runs = find_runs(jaxpr, min_repeats, self.keys)
-        lifted, n = _reroll_seed.lifted(jaxpr)   # per-layer dropout keys
-        if lifted is not None:
-            more = find_runs(lifted, min_repeats, self.keys)
-            if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
-                jaxpr, runs = lifted, more
-                self.stats.seeds += n
-        seeded, n = _reroll_seed.seeded(jaxpr, runs)
-        if seeded is not None:
-            more = find_runs(seeded, min_repeats, self.keys)
-            if _reroll_seed.covered(more) > _reroll_seed.covered(runs):
-                jaxpr, runs = seeded, more
-                self.stats.seeds += n
+        # per-layer dropout keys, then cross-layer sums and literal carries
+        jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.lifted(jaxpr), min_repeats)
+        jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.seeded(jaxpr, runs), min_repeats)
         walk = Walk(jaxpr, runs, b, self.stats, self._subs,
                      min_repeats if self.vectorize else None)
         for i, eqn in walk.kept():
