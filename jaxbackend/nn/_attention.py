@@ -1,5 +1,5 @@
 """Named multi-head self-attention: causal mask, grouped-query attention,
-optional rotary positions.
+optional rotary positions, optional sliding window.
 
 Dims: the input carries a sequence dim (`time=`, default "time") and `embd`
 (plus any batch dims). Projections are `Linear`s: q: embd -> (head, hd);
@@ -9,7 +9,11 @@ attention (`kv_heads < heads`) the query heads are split by name, head ->
 without copying k or v (no `repeat`): the score contraction simply has
 `kv_head` as a batch dim and `group` as a free dim. Keys get their sequence
 dim renamed `<time>_k` (`time_k`), so the scores carry (..., time, time_k)
-and the causal mask is `time >= time_k` by name.
+and the causal mask is `time >= time_k` by name. A sliding window
+(`sliding_window=w`, Mistral's and Gemma's local layers) keeps, besides,
+only keys fewer than w positions back (`time - time_k < w`: each query sees
+w positions, itself included); without `causal`, fewer than w either way.
+Mixing windowed and global layers (alternating) is a per-layer argument.
 
 Precision: `dtype` (compute) and `param_dtype` (storage) as in the other
 layers; scores and softmax run in at least float32.
@@ -75,7 +79,7 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  head_dim: int | None = None, causal: bool = True, rotary: bool = False,
-                 use_bias: bool = True, dropout: float = 0.0, time: str = "time",
+                 sliding_window: int | None = None, use_bias: bool = True, dropout: float = 0.0, time: str = "time",
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if not isinstance(time, str) or not time:
             raise nx.DimError(f"MultiHeadAttention: time={time!r} must be a dim name (a non-empty "
@@ -90,7 +94,12 @@ class MultiHeadAttention(nnx.Module):
                                   f"heads={heads}; pass head_dim= or change heads.")
             head_dim = embd // heads
         self.embd, self.heads, self.kv_heads, self.head_dim = embd, heads, kv_heads, head_dim
-        self.causal, self.rotary = causal, rotary
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
+                sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"MultiHeadAttention: sliding_window={sliding_window!r} must be a "
+                             f"positive int (the positions each query sees, itself included) "
+                             f"or None for attention over the whole sequence.")
+        self.causal, self.rotary, self.sliding_window = causal, rotary, sliding_window
         self.time, self.time_k = time, f"{time}_k"
         kv = "head" if kv_heads == heads else "kv_head"
         self.kv_dim = kv
@@ -147,18 +156,27 @@ class MultiHeadAttention(nnx.Module):
 
     def _attend(self, q, k, v, tk: str, start) -> nx.NamedArray:
         # q: (..., time, head, hd) at positions start .. start+t-1; k, v:
-        # (..., tk, kv_dim, hd) at positions 0 ..; start None: no causal mask.
+        # (..., tk, kv_dim, hd) at positions 0 ..; start None: no causal mask
+        # (positions then start at 0 for the sliding window).
         if self.kv_dim != "head":  # GQA: head -> (kv_head, group), by name
             q = q.unstack(head={"kv_head": self.kv_heads, "group": self.heads // self.kv_heads})
         # scores and softmax in at least float32 (a bfloat16 softmax over a
         # long row rounds its largest terms); the weights go back to v's dtype
         s = cast(nx.dot(q, k, dim="hd"), jnp.promote_types(q.dtype, jnp.float32))
         s = s / math.sqrt(self.head_dim)
-        if start is not None:  # query position >= key position, by name
+        w = self.sliding_window
+        if start is not None or w is not None:  # by name: query vs key position
             q_pos = nx.arange(q.sizes[self.time], dim=self.time)
-            if not isinstance(start, int) or start:
+            if start is not None and (not isinstance(start, int) or start):
                 q_pos = q_pos + start
-            s = _causal(s, q_pos >= nx.arange(k.sizes[tk], dim=tk))
+            k_pos = nx.arange(k.sizes[tk], dim=tk)
+            if w is None:
+                keep = q_pos >= k_pos
+            else:                                      # fewer than w back (and ahead)
+                back = q_pos - k_pos
+                keep = back < w
+                keep = keep & (back >= 0) if start is not None else keep & (-back < w)
+            s = _causal(s, keep)
         a = self.dropout(cast(nx.softmax(s, dim=tk), v.dtype))
         o = nx.dot(a, v, dim=tk)
         if self.kv_dim != "head":

@@ -51,15 +51,16 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  mlp_hidden: int | None = None, activation: str = "gelu", norm: str = "layernorm",
-                 rotary: bool = False, use_bias: bool = True, dropout: float = 0.0,
-                 time: str = "time", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 rotary: bool = False, sliding_window: int | None = None, use_bias: bool = True,
+                 dropout: float = 0.0, time: str = "time", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if norm not in NORMS:
             raise ValueError(f"TransformerBlock: norm={norm!r} is not one of {tuple(NORMS)}.")
         Norm = NORMS[norm]
         dt = dict(dtype=dtype, param_dtype=param_dtype)
         self.norm1 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.attn = MultiHeadAttention(embd, heads, kv_heads=kv_heads, rotary=rotary,
-                                       use_bias=use_bias, dropout=dropout, time=time, **dt,
+                                       sliding_window=sliding_window, use_bias=use_bias, dropout=dropout, time=time, **dt,
                                        rngs=rngs)
         self.norm2 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.mlp = MLP(embd, mlp_hidden or 4 * embd, activation=activation, use_bias=use_bias,

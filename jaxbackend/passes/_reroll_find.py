@@ -27,7 +27,10 @@ A block whose literal, parameter, width or data flow differs ends the run
 there (a run needs `min_repeats` blocks). A value read two or more blocks
 after it is made (a skip connection across layers) rejects the whole region,
 and any run at another period (say two layers per block) overlapping it:
-such a chain is not a simple layer loop.
+such a chain is not a simple layer loop. A run whose blocks read an earlier
+run's per-block values k blocks to one of its blocks (the backward of
+layers rolled two per forward block) is re-split into blocks of k
+(`_match_producer_period`).
 
 Blocks must weigh at least MIN_BLOCK_EQNS equations, sub-jaxprs included.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 
 import numpy as np
 
@@ -295,8 +299,8 @@ def find_runs(jaxpr, min_repeats: int = 2, keys: _rewrite.StructuralKeys | None 
     # multiple of it (two layers per block would hide the skip inside a block)
     found = [(r, reg) for r, reg in found
              if all(r.stop <= a or b <= r.start for a, b in skips)]
-    chosen = _select(found)
-    return [r for r, _ in _align_producers(g, chosen, min_repeats)]
+    chosen = _align_producers(g, _select(found), min_repeats)
+    return _match_producer_period(g, [r for r, _ in chosen], min_repeats)
 
 
 def _select(found):
@@ -340,5 +344,55 @@ def _align_producers(g: DepGraph, chosen, min_repeats: int):
                 if len(runs) == 1 and all(runs[0].stop <= c.start or c.stop <= runs[0].start
                                           for c in others):
                     out[fi] = (runs[0], reg)
+            break
+    return out
+
+
+def _match_producer_period(g: DepGraph, runs, min_repeats: int):
+    """Roll a consumer run at its producer's period: where a run's blocks
+    (the backward layers) read per-block values that an earlier run makes
+    (the forward residuals), and every such read advances one producer
+    block per k > 1 consumer blocks (the forward rolled two alternating
+    layers per block, the backward, whose layers differ only in what they
+    read, one), re-split the consumer into blocks of k. Each of its
+    per-block reads is then one stack of the producer's outputs, scanned as
+    made (reversed), instead of an interleaving of k stacks copied into a
+    new one, which holds every residual twice. Only for k < min_repeats, so
+    the merged body's k blocks are no run themselves (the pass stays
+    idempotent). The grouping phase is the one most reads follow; consumer
+    blocks outside whole groups (at most k - 1 at each end) stay unrolled;
+    where the blocks of k do not verify as one run of min_repeats, the run
+    is kept as it was."""
+    out = list(runs)
+    for ci, c in enumerate(out):
+        for f in out[:ci]:
+            ks: set = set()
+            heads: collections.Counter = collections.Counter()
+            for vs in c.outside:
+                seq = [(g.defs[v][0] - f.start) // f.period
+                       if v in g.defs and f.start <= g.defs[v][0] < f.stop else None for v in vs]
+                while seq and seq[-1] is None:
+                    seq.pop()
+                lead = 0
+                while lead < len(seq) and seq[lead] is None:
+                    lead += 1
+                if lead == len(seq):
+                    continue                         # not made by f (a weight, an invariant)
+                sizes = [len(list(grp)) for _, grp in itertools.groupby(seq[lead:])]
+                if None in seq[lead:] or len(set(seq[lead:])) != len(sizes):
+                    ks.add(0)                        # not a monotone walk over f's blocks
+                    break
+                ks.add(max(sizes) if len(sizes) > 2 else 0)
+                heads[(lead + sizes[0]) % max(sizes)] += 1
+            if len(ks) != 1 or not 2 <= next(iter(ks)) < min_repeats:
+                continue
+            k = ks.pop()
+            head = heads.most_common(1)[0][0]
+            whole = (c.repeats - head) // k
+            if whole < min_repeats:
+                continue
+            new = split_runs(g, c.start + head * c.period, k * c.period, whole, min_repeats)
+            if new and len(new) == 1 and new[0].repeats == whole:
+                out[ci] = new[0]
             break
     return out

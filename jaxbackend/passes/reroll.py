@@ -14,9 +14,12 @@ runs of structurally identical blocks that feed each other (see
 
 On the joint forward+backward jaxpr of `jax.value_and_grad`, the forward
 layers form one run and the backward layers, in reverse order, another; the
-backward run reads the forward run's residuals. Every stacked array is
-recorded (variable -> (stack, index)), so when a later run's per-block inputs
-are exactly a contiguous, in-order or reversed, slice of a stack made earlier
+backward run reads the forward run's residuals (layers of two kinds
+alternating, sliding-window and global attention, roll two per forward
+block; the backward, whose layers then differ only in what they read, is
+rolled at the same period: `_reroll_find._match_producer_period`). Every
+stacked array is recorded (variable -> (stack, index)), so when a later
+run's per-block inputs are exactly a contiguous, in-order or reversed, slice of a stack made earlier
 (the forward residuals, or the weights the forward scan already stacked), the
 later scan reads that stack directly (`reverse=True` for the backward pass)
 instead of copying. Only values no stack holds are stacked with a copy (the

@@ -139,6 +139,39 @@ def test_attention_is_causal():
     assert not np.allclose(a[:, 4:], b[:, 4:])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window_is_full_attention_over_the_window(causal):
+    # reference: the layer without a window, run on only the positions the
+    # window keeps (rotary scores depend on relative positions only), read at
+    # the query's place in that slice
+    w, t = 3, 8
+    kw = dict(kv_heads=2, rotary=True, causal=causal)
+    local = nn.MultiHeadAttention(16, 4, sliding_window=w, **kw, rngs=nnx.Rngs(0))
+    full = nn.MultiHeadAttention(16, 4, **kw, rngs=nnx.Rngs(0))   # the same weights
+    x = _x((2, t, 16), ("batch", "time", "embd"), seed=5)
+    got = local(x).values
+    run = jax.jit(lambda xs: full(nx.as_named(xs, x.dims)).values)   # one compile per length
+    for q in range(t):
+        lo, hi = max(0, q - w + 1), (q + 1 if causal else min(t, q + w))
+        xs = x.values[:, lo:hi]
+        testing.assert_close(got[:, q], run(xs)[:, q - lo], what=f"query {q}",
+                             scale=lambda: testing.abs_scale(lambda v: run(v)[:, q - lo], xs))
+    assert not np.allclose(got, full(x).values)      # the window did cut something
+
+
+def test_sliding_window_decode_matches_the_full_window_and_checks_its_argument():
+    attn = nn.MultiHeadAttention(16, 4, rotary=True, sliding_window=2, rngs=nnx.Rngs(0))
+    x = _x((1, 5, 16), ("batch", "time", "embd"), seed=6)
+    want = attn(x).values
+    cache = attn.init_cache({"batch": 1}, 5, jnp.float32)
+    for pos in range(5):
+        out, cache = attn.decode(nx.as_named(x.values[:, pos:pos + 1], x.dims), cache, pos)
+        testing.assert_close(out.values[:, 0], want[:, pos], what=f"decoded position {pos}")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"sliding_window={bad!r}"):
+            nn.MultiHeadAttention(16, 4, sliding_window=bad, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_mlp_matches_positional(activation):
     c = GPTConfig(embd=8, heads=2, mlp_ratio=2, activation=activation)

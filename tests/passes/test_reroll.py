@@ -229,3 +229,33 @@ def test_layers_inside_a_nested_jit_are_rolled_there():
     assert lengths and all(n == 4 for n in lengths)
     assert reroll(out) is out   # idempotent: nothing left to roll anywhere
     assert_same_values(closed, out, leaves)
+
+
+def _alternating(x, ws):
+    # even layers keep the first 3 features, odd ones all but the first: the
+    # forward blocks differ (lt vs ge on an iota) and roll two layers per
+    # block; the backward blocks only read each layer's mask, so alike
+    for i, w in enumerate(ws):
+        col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        keep = col < 3 if i % 2 == 0 else col >= 1
+        x = x + jnp.where(keep, jnp.tanh(x @ w), 0.0)
+    return jnp.sum(x * x)
+
+
+def test_alternating_layers_roll_backward_at_the_forward_period():
+    # rolled one layer per block, the backward would read each residual from
+    # two forward stacks (even and odd layers) and copy their interleaving:
+    # every residual held twice. At the forward's period it scans the forward
+    # stacks themselves, reversed.
+    ws = [0.3 * rand(300 + i, 6, 6) for i in range(12)]
+    closed, leaves = _vg_jaxpr(lambda x, ws: (_alternating(x, ws), None), (rand(7, 3, 6), ws),
+                               "all")
+    out, stats = reroll_with_stats(closed, min_repeats=3)
+    assert [(r.repeats, r.reverse) for r in stats.runs] == [(6, False), (6, True)]
+    # the only copies: the weights, stacked once for both scans
+    assert stats.stacked_copies == 2 and stats.stacks_reused >= 4
+    assert reroll(out, min_repeats=3) is out
+    assert_same_values(closed, out, leaves)
+    # min_repeats 2: a block of two alike backward layers would be a run
+    # itself, so the backward stays one layer per block
+    assert [r.repeats for r in reroll_with_stats(closed)[1].runs] == [6, 12]
