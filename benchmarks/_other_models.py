@@ -12,7 +12,11 @@ an `nnx.List` of blocks), for `other_models.py`:
   loop sums from `aux = 0.0`;
 * `encdec`: an encoder (library blocks over `src`) and a decoder of custom
   blocks with causal self-attention and cross-attention to the encoder
-  output (read by every decoder layer).
+  output (read by every decoder layer);
+* `localglobal`: a decoder whose layers alternate sliding-window (16
+  positions) and global causal attention (Gemma 2, Mistral variants), with
+  grouped-query attention, rotary positions, RMSNorm and SwiGLU: no two
+  consecutive forward layers are alike, so the forward rolls by pairs.
 
 `setup(name, layers)` returns (params, optax tx, step, batch, hand rule
 sets); `step(params, opt_state, *batch)` is the AdamW training step.
@@ -30,7 +34,7 @@ from flax import nnx
 from jaxbackend import named as nx
 from jaxbackend import nn
 
-MODELS = ("vit", "dit", "moe", "encdec")
+MODELS = ("vit", "dit", "moe", "encdec", "localglobal")
 
 
 class ViT(nnx.Module):
@@ -165,6 +169,25 @@ class EncDec(nnx.Module):
                                 dim="vocab").values.mean()
 
 
+class LocalGlobal(nnx.Module):
+    def __init__(self, layers, embd, heads, vocab, window, rngs):
+        self.tok = nn.Embedding(vocab, embd, rngs=rngs)
+        self.blocks = nnx.List([
+            nn.TransformerBlock(embd, heads, kv_heads=heads // 2, rotary=True, norm="rmsnorm",
+                                activation="swiglu", use_bias=False,
+                                sliding_window=window if i % 2 == 0 else None, rngs=rngs)
+            for i in range(layers)])
+        self.norm = nn.RMSNorm({"embd": embd}, rngs=rngs)
+        self.out = nn.Linear({"embd": embd}, {"vocab": vocab}, use_bias=False, rngs=rngs)
+
+    def loss(self, tokens, targets):
+        x = self.tok(nx.as_named(tokens, ("batch", "time")))
+        for b in self.blocks:
+            x = b(x)
+        return nx.cross_entropy(self.out(self.norm(x)), nx.as_named(targets, ("batch", "time")),
+                                dim="vocab").values.mean()
+
+
 def setup(name: str, layers: int):
     """(params, tx, step, batch, hand rule sets) for model `name`."""
     tx, r = optax.adamw(1e-3), nnx.Rngs(0)
@@ -189,6 +212,12 @@ def setup(name: str, layers: int):
         t = jax.random.randint(k2, (16, 65), 0, 256)
         batch = (jax.random.randint(k1, (16, 64), 0, 256), t[:, :-1], t[:, 1:])
         megatron = dict(attn, vocab="model")
+    elif name == "localglobal":
+        model = LocalGlobal(layers, 128, 8, 256, 16, r)
+        x = jax.random.randint(k1, (16, 64), 0, 256)
+        batch = (x, jnp.roll(x, -1, axis=1))
+        megatron = {"batch": "data", "head": "model", "kv_head": "model", "mlp": "model",
+                    "vocab": "model"}
     else:
         raise ValueError(f"setup: model {name!r} is not one of {MODELS}; pick one of those.")
     params, loss = nn.functional(model, "loss")

@@ -138,20 +138,41 @@ def splits_entries(eqn) -> bool:
     name = eqn.primitive.name
     if not (name in _jax.CALL_PRIMITIVES or _jax.custom_vjp_bwd_function(eqn) is _split_bwd):
         return False
+    return _unit_split(eqn, every=True)
+
+
+def splits_layers(eqn) -> bool:
+    """Does call `eqn` split its one operand into layers along axis 0 (the
+    body of `splits_entries`, some outputs possibly dropped), whatever its
+    derivative rule? What the sharding walk needs to keep that layer axis
+    unsharded: JAX's dead-code elimination rewrites a `custom_vjp_call`
+    with a new backward rule (`dce_bwd`), so `splits_entries` no longer
+    holds after the pipeline's `dce`, though the split is the same."""
+    return (eqn.primitive.name in _jax.CALL_PRIMITIVES or eqn.primitive.name == "custom_vjp_call"
+            ) and _unit_split(eqn, every=False)
+
+
+def _unit_split(eqn, every: bool) -> bool:
+    """The body is one `split` of the call's one (variable) operand along
+    axis 0 into L pieces of size 1, each output one piece squeezed on axis
+    0: piece i as output i, all L (`every`), or any of them."""
     body = _jax.call_body(eqn)
     if body is None or len(eqn.invars) != 1 or not _jax.is_var(eqn.invars[0]):
         return False
     n = eqn.invars[0].aval.shape[:1]
     j = body.jaxpr
-    if not n or n[0] != len(j.outvars) or len(j.eqns) != n[0] + 1:
+    if (not n or not j.eqns or len(j.eqns) != len(j.outvars) + 1
+            or (every and n[0] != len(j.outvars))):
         return False
     split, squeezes = j.eqns[0], j.eqns[1:]
     if (split.primitive.name != "split" or split.invars[0] is not j.invars[0]
             or _jax.split_parts(split) != ((1,) * n[0], 0)):
         return False
-    return all(sq.primitive.name == "squeeze" and _jax.squeeze_dimensions(sq) == (0,)
-               and sq.invars[0] is piece and out is sq.outvars[0]
-               for sq, piece, out in zip(squeezes, split.outvars, j.outvars))
+    pieces = split.outvars if every else [sq.invars[0] for sq in squeezes]
+    return set(map(id, pieces)) <= set(map(id, split.outvars)) and all(
+        sq.primitive.name == "squeeze" and _jax.squeeze_dimensions(sq) == (0,)
+        and sq.invars[0] is piece and out is sq.outvars[0]
+        for sq, piece, out in zip(squeezes, pieces, j.outvars))
 
 
 def _is_stacked(x) -> bool:

@@ -79,8 +79,8 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, embd: int, heads: int, *, kv_heads: int | None = None,
                  head_dim: int | None = None, causal: bool = True, rotary: bool = False,
-                 sliding_window: int | None = None, use_bias: bool = True, dropout: float = 0.0, time: str = "time",
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 sliding_window: int | None = None, use_bias: bool = True, dropout: float = 0.0,
+                 time: str = "time", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if not isinstance(time, str) or not time:
             raise nx.DimError(f"MultiHeadAttention: time={time!r} must be a dim name (a non-empty "
                               f"str), the input's sequence dim.")

@@ -60,8 +60,8 @@ class TransformerBlock(nnx.Module):
         dt = dict(dtype=dtype, param_dtype=param_dtype)
         self.norm1 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.attn = MultiHeadAttention(embd, heads, kv_heads=kv_heads, rotary=rotary,
-                                       sliding_window=sliding_window, use_bias=use_bias, dropout=dropout, time=time, **dt,
-                                       rngs=rngs)
+                                       sliding_window=sliding_window, use_bias=use_bias,
+                                       dropout=dropout, time=time, **dt, rngs=rngs)
         self.norm2 = Norm({"embd": embd}, **dt, rngs=rngs)
         self.mlp = MLP(embd, mlp_hidden or 4 * embd, activation=activation, use_bias=use_bias,
                        dropout=dropout, **dt, rngs=rngs)

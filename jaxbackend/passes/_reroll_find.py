@@ -379,11 +379,15 @@ def _match_producer_period(g: DepGraph, runs, min_repeats: int):
                 if lead == len(seq):
                     continue                         # not made by f (a weight, an invariant)
                 sizes = [len(list(grp)) for _, grp in itertools.groupby(seq[lead:])]
-                if None in seq[lead:] or len(set(seq[lead:])) != len(sizes):
-                    ks.add(0)                        # not a monotone walk over f's blocks
+                k = max(sizes)
+                # each producer block read by one group of k consecutive
+                # blocks (fewer at the ends only), no gap
+                if (None in seq[lead:] or len(set(seq[lead:])) != len(sizes) or len(sizes) < 3
+                        or any(n != k for n in sizes[1:-1])):
+                    ks.add(0)
                     break
-                ks.add(max(sizes) if len(sizes) > 2 else 0)
-                heads[(lead + sizes[0]) % max(sizes)] += 1
+                ks.add(k)
+                heads[(lead + sizes[0]) % k] += 1
             if len(ks) != 1 or not 2 <= next(iter(ks)) < min_repeats:
                 continue
             k = ks.pop()

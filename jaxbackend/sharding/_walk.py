@@ -91,7 +91,7 @@ def _walk(b, jaxpr, env, mult):
                 o = _inline(b, br, ins[1:], mult / len(branches))
                 outs = o if outs is None else outs
         elif (body := _jax.call_body(eqn)) is not None:
-            if _stacked.splits_entries(eqn) and ins[0] is not None:
+            if _stacked.splits_layers(eqn) and ins[0] is not None:
                 b.unshardable.add(b.base[ins[0]])   # a layer axis (`jb.stack_layers`)
             outs = _inline(b, body, ins, mult)
         else:

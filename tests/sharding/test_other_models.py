@@ -88,7 +88,7 @@ def _setup(name):
 
 @pytest.mark.parametrize("name, stacked", [
     ("mixer", False), ("mixer", True), ("residual mlp", False), ("residual mlp", True),
-    ("local-global", False)], ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
+    ("local-global", False), ("local-global", True)], ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
 def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     params, loss, batch = _setup(name)
     if stacked:
@@ -104,6 +104,11 @@ def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     f = jb.jit(step, mesh=mesh24)
     comp = f.lower(*args).compile()
     assert REMAT not in capfd.readouterr().err
+    if stacked:   # the layer axis of a stacked input is never sharded (`_walk`)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        layer_axes = [spec[0] if len(spec) else None
+                      for spec, p in zip(f.plan.in_specs(), paths) if ".stacked" in p]
+        assert layer_axes and all(a is None for a in layer_axes), f.plan.rules
     assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.2)
     # The values and gradients (AdamW's normalised update would amplify a
     # gradient that is zero up to rounding; the gradients are compared)
