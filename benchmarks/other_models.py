@@ -2,7 +2,8 @@
 
 The AdamW training step of each model of `_other_models` (a ViT, an
 adaLN-conditioned DiT, a soft mixture of experts with a load-balancing loss,
-an encoder-decoder with cross-attention), written as a user would, through
+an encoder-decoder with cross-attention, a decoder alternating sliding-window
+and global attention layers), written as a user would, through
 `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
 (`jb.stack_layers`), at 4 and 16 layers:
