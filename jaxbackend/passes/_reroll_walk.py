@@ -8,7 +8,10 @@ or reads (variable -> (stack, index)), so later runs, the vectorised tail
 (`_reroll_vector`) and reads outside the scans find their values there.
 A stacked input split into layers (`jb.stack_layers`: `_stacked.splits_entries`)
 is recorded the same way, and a `concatenate` of consecutive entries of one
-stack (its gradient rule) reads a slice of that stack (`Walk.keep`).
+stack (its gradient rule) reads a slice of that stack (`Walk.keep`). A
+16-bit float result only later runs read is stacked as its bits
+(`_stacks.as_bits`, `Walk.bits`): the scans reading the stack and
+`_index_out` bitcast each entry back.
 The invariant is `reroll`'s: every value read equals the original one.
 """
 
@@ -55,6 +58,8 @@ class Walk:
         self.concatenated = set()   # atoms of the stacks this walk concatenated
         self.held_stacks = {}       # such a stack -> its `held` atom
         self.pending_holds = {}     # stack ids to hold before their entries are read (ordered)
+        self.bits = {}              # stack id -> the 16-bit float type its uint16 entries hold
+        self.read_outside = None    # vars some equation outside the runs reads (`_only_runs_read`)
 
     def kept(self):
         """Yield (position, equation) for each equation outside runs, in
@@ -200,6 +205,9 @@ class Walk:
                                 key=("reroll.index", idx))[0]
         out, = self.b.emit(_stacks.unstack_one, [arr, self.opaque_index(idx, arr)],
                            key="reroll.unstack")
+        if sid in self.bits:
+            out, = self.b.emit(lambda a: lax.bitcast_convert_type(a, self.bits[sid]), [out],
+                               key=("reroll.from_bits", self.bits[sid]))
         return out
 
     def held(self, arr):
@@ -314,9 +322,11 @@ class Walk:
         self.register(arr, order)
         return arr
 
-    def _body(self, run: Run, const_slots, xs_slots):
+    def _body(self, run: Run, const_slots, xs_slots, xs_bits, ys_bits):
         """The scan body: block 0's own equations, re-wired (no re-trace) to
-        read body inputs consts + carry + xs, returning carry + ys."""
+        read body inputs consts + carry + xs, returning carry + ys. Slots in
+        `xs_bits` are read from a stack of their bits and bitcast back first;
+        those in `ys_bits` are stacked as their bits (`_stacks.as_bits`)."""
         block = self.jaxpr.eqns[run.start:run.start + run.period]
         new = _jax.new_var
         consts = {s: new(run.outside[s][0].aval) for s in const_slots}
@@ -324,6 +334,9 @@ class Walk:
         carry = [new(block[r].outvars[o].aval) for r, o in run.carry_slots]
         local: dict = {}
         eqns: list = []
+        xs_in = dict(xs)
+        for s in xs_bits:
+            eqns.append(_stacks.bits_eqn(xs_in, s, xs[s], to_bits=False))
         for r, eqn in enumerate(block):
             invars = []
             for t, v in zip(run.template[r], eqn.invars):
@@ -341,9 +354,11 @@ class Walk:
             # the body's own sub-jaxprs are rolled too (a layer that is one
             # remat equation may hold a loop of sub-layers): one pass suffices
             eqns.append(self.subs(eqn).replace(invars=invars, outvars=outvars))
-        outvars = ([local[slot] for slot in run.carry_slots]
-                   + [local[slot] for slot in run.ys_slots] + [carry[c] for c in run.carry_ys])
-        invars = [consts[s] for s in const_slots] + carry + [xs[s] for s in xs_slots]
+        ys = [local[slot] for slot in run.ys_slots]
+        for k in ys_bits:
+            eqns.append(_stacks.bits_eqn(ys, k, ys[k], to_bits=True))
+        outvars = [local[slot] for slot in run.carry_slots] + ys + [carry[c] for c in run.carry_ys]
+        invars = [consts[s] for s in const_slots] + carry + [xs_in[s] for s in xs_slots]
         return _jax.as_closed(_jax.new_jaxpr(invars, outvars, eqns))
 
     def _scan(self, run: Run):
@@ -357,33 +372,53 @@ class Walk:
                 reverse = hit[2] == -1
                 break
         const_slots = [s for s in range(len(run.outside)) if s not in set(per_block)]
+        xs_args = [self.stack_inputs(run.outside[s], reverse) for s in per_block]
         args = ([self.read(run.outside[s][0]) for s in const_slots]
-                + [self.read(v) for v in run.carry_init]
-                + [self.stack_inputs(run.outside[s], reverse) for s in per_block])
-        body = self._body(run, const_slots, per_block)
+                + [self.read(v) for v in run.carry_init] + xs_args)
+        xs_bits = [s for s, a in zip(per_block, xs_args)
+                   if a.aval.dtype != run.outside[s][0].aval.dtype]
+        eqns = self.jaxpr.eqns
+
+        def out_var(j, slot):
+            return eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]
+
+        ys_bits = [k for k, slot in enumerate(run.ys_slots)
+                   if _stacks.as_bits(out_var(0, slot).aval) is not None
+                   and all(self._only_runs_read(out_var(j, slot)) for j in range(n))]
+        body = self._body(run, const_slots, per_block, xs_bits, ys_bits)
         n_consts, n_carry = len(const_slots), len(run.carry_slots)
         outs = self.b.emit(lambda *a: _jax.scan_bind(body, a, length=n, reverse=reverse,
                                                      n_consts=n_consts, n_carry=n_carry), args)
         final, ys = outs[:len(run.carry_slots)], outs[len(run.carry_slots):]
         self.stats.runs.append(RolledRun(run.start, run.period, n, reverse))
         pos = (lambda j: n - 1 - j) if reverse else (lambda j: j)
-        eqns = self.jaxpr.eqns
-
-        def out_var(j, slot):
-            return eqns[run.block_eqn_index(j, slot[0])].outvars[slot[1]]
-
         for c, slot in enumerate(run.carry_slots):
             v = out_var(n - 1, slot)
             if not _jax.is_dropvar(v):
                 self.env[v] = final[c]
-        for arr, slot in zip(ys, run.ys_slots):
+        for k, (arr, slot) in enumerate(zip(ys, run.ys_slots)):
             order = [None] * n
             for j in range(n):
                 order[pos(j)] = out_var(j, slot)
-            self.register(arr, order)
+            sid = self.register(arr, order)
+            if k in ys_bits:
+                self.bits[sid] = out_var(0, slot).aval.dtype
         for arr, c in zip(ys[len(run.ys_slots):], run.carry_ys):
             # entry for block j is its carry-in: the init, or block j-1's result
             order = [None] * n
             for j in range(n):
                 order[pos(j)] = run.carry_init[c] if j == 0 else out_var(j - 1, run.carry_slots[c])
             self.register(arr, order)
+
+    def _only_runs_read(self, v) -> bool:
+        """Is `v` read by equations of runs only (not by one kept, nor an
+        output)? Then its stack is read only by later scans and `_index_out`,
+        which both take a stack of bits (`_stacks.as_bits`)."""
+        if self.read_outside is None:
+            inside = np.zeros(len(self.jaxpr.eqns) + 1, bool)
+            for r in self.run_at.values():
+                inside[r.start:r.stop] = True
+            self.read_outside = {x for i, e in enumerate(self.jaxpr.eqns) if not inside[i]
+                                 for x in e.invars if _jax.is_var(x)}
+            self.read_outside.update(x for x in self.jaxpr.outvars if _jax.is_var(x))
+        return v not in self.read_outside

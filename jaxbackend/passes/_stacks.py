@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxbackend import _jax
+
 
 # XLA:CPU fuses a concatenate of at most this many operands into its readers
 # (`kMaxConcatenateArguments` in xla/service/cpu/cpu_instruction_fusion.cc,
@@ -124,3 +126,41 @@ def corner(x, at: int):
     whole of a sharded stack to read one element."""
     start = tuple(0 if at == 0 else d - 1 for d in x.shape)
     return lax.slice(x, start, tuple(i + 1 for i in start)).reshape(())
+
+
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
+         jnp.dtype(jnp.float16): jnp.dtype(jnp.uint16)}
+
+
+def as_bits(aval):
+    """The unsigned integer type a per-block result of `aval` is stacked as
+    by a scan, or None (stacked as it is). 16-bit floats: XLA:CPU has no
+    bfloat16/float16 dynamic-update-slice, so the loop carries the whole
+    stack converted to float32 (twice its bytes, on top of the result; one
+    conversion per trip): a backward scan's bfloat16 residuals took 3x
+    their bytes, 24 MiB for 8 (measured, one CPU, JAX 0.10). The same bits
+    as uint16 are updated in place, and the scans that read them bitcast
+    each entry back: bit for bit the same values."""
+    return _BITS.get(jnp.dtype(aval.dtype)) if hasattr(aval, "dtype") else None
+
+
+def bits_eqn(table, key, v, to_bits: bool):
+    """The equation `table[key] = bitcast_convert_type(v)` with a fresh
+    variable put in `table[key]`: to `as_bits(v.aval)` (`to_bits`), or
+    from it (v the float variable the body reads; the fresh one of the
+    uint16 type becomes the body input)."""
+    bits_aval = v.aval.update(dtype=as_bits(v.aval))
+    if to_bits:
+        src, dst = v, _jax.new_var(bits_aval)
+        table[key] = dst
+    else:
+        src = table[key] = _jax.new_var(bits_aval)
+        dst = v
+    shape, a, b = v.aval.shape, src.aval.dtype, dst.aval.dtype   # type: ignore[attr-defined]
+    if (shape, a, b) not in _BITCASTS:   # traced once per type: the one equation, re-wired
+        _BITCASTS[shape, a, b] = jax.make_jaxpr(lambda x: lax.bitcast_convert_type(x, b))(
+            jax.ShapeDtypeStruct(shape, a)).jaxpr.eqns[0]
+    return _BITCASTS[shape, a, b].replace(invars=[src], outvars=[dst])
+
+
+_BITCASTS: dict = {}

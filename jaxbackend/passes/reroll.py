@@ -27,6 +27,11 @@ layer weights, once per call); results used outside a scan (the weight
 gradients, returned unstacked as before) are indexed out lazily, only where
 something reads them.
 
+A per-block result in a 16-bit float type that only later scans read (a
+bfloat16 residual) is stacked as its bits (uint16) and bitcast back where
+read: XLA:CPU cannot update a bfloat16 stack in place and carried it as
+float32 (`_stacks.as_bits`).
+
 How the result is built (linear in the number of equations): by splicing,
 not re-tracing. Equations outside runs are kept as they are (the same
 equation objects, inputs renamed where needed); each run becomes one

@@ -259,3 +259,30 @@ def test_alternating_layers_roll_backward_at_the_forward_period():
     # min_repeats 2: a block of two alike backward layers would be a run
     # itself, so the backward stays one layer per block
     assert [r.repeats for r in reroll_with_stats(closed)[1].runs] == [6, 12]
+
+
+def _bf16_chain(x, ws, dtype):
+    for w in ws:   # a residual kept in `dtype` per layer for the backward pass
+        y = jnp.tanh(x.astype(dtype) @ w.astype(dtype))
+        x = x + y.astype(jnp.float32)
+    return jnp.sum(x * x)
+
+
+def test_half_precision_residuals_are_stacked_as_their_bits():
+    # XLA:CPU has no bfloat16 dynamic-update-slice: a bf16 residual stack
+    # filled by the forward scan was carried converted to float32 (3x its
+    # bytes with the result). Stacked as uint16 (bitcast, the same bits) it
+    # costs its own bytes: the rolled bf16 program needs less memory than
+    # the float32 one, and computes the unrolled program's values exactly.
+    x, ws = rand(7, 256, 64), [0.1 * rand(400 + i, 64, 64) for i in range(8)]
+    temps = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        closed, leaves = _vg_jaxpr(lambda x, ws: (_bf16_chain(x, ws, dtype), None), (x, ws), "all")
+        out = reroll(closed, min_repeats=3)
+        assert [e.params["length"] for e in _scans(out)] == [8, 8]
+        assert_same_values(closed, out, leaves)
+        compiled = jax.jit(_jax.jaxpr_as_fun(out)).lower(*leaves).compile()
+        temps[dtype] = compiled.memory_analysis().temp_size_in_bytes
+        text = compiled.as_text()
+    assert temps[jnp.bfloat16] < temps[jnp.float32], temps
+    assert "u16[8,256,64]" in text
