@@ -372,11 +372,11 @@ class Walk:
                 reverse = hit[2] == -1
                 break
         const_slots = [s for s in range(len(run.outside)) if s not in set(per_block)]
-        xs_args = [self.stack_inputs(run.outside[s], reverse) for s in per_block]
         args = ([self.read(run.outside[s][0]) for s in const_slots]
-                + [self.read(v) for v in run.carry_init] + xs_args)
-        xs_bits = [s for s, a in zip(per_block, xs_args)
-                   if a.aval.dtype != run.outside[s][0].aval.dtype]
+                + [self.read(v) for v in run.carry_init]
+                + [self.stack_inputs(run.outside[s], reverse) for s in per_block])
+        xs_bits = [s for s, a in zip(per_block, args[len(args) - len(per_block):])
+                   if a.aval.dtype != run.outside[s][0].aval.dtype]   # a stack of bits
         eqns = self.jaxpr.eqns
 
         def out_var(j, slot):
