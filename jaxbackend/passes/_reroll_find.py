@@ -356,13 +356,12 @@ def _match_producer_period(g: DepGraph, runs, min_repeats: int):
     layers per block, the backward, whose layers differ only in what they
     read, one), re-split the consumer into blocks of k. Each of its
     per-block reads is then one stack of the producer's outputs, scanned as
-    made (reversed), instead of an interleaving of k stacks copied into a
-    new one, which holds every residual twice. Only for k < min_repeats, so
-    the merged body's k blocks are no run themselves (the pass stays
-    idempotent). The grouping phase is the one most reads follow; consumer
-    blocks outside whole groups (at most k - 1 at each end) stay unrolled;
-    where the blocks of k do not verify as one run of min_repeats, the run
-    is kept as it was."""
+    made (reversed), not an interleaving of k stacks copied into a new one
+    (every residual held twice). Only for k < min_repeats: the merged body's
+    k blocks are no run themselves (the pass stays idempotent). The phase
+    is the one most reads follow; blocks outside whole groups (< k at each
+    end) stay unrolled; blocks of k that do not verify as one run of
+    min_repeats leave the run as it was."""
     out = list(runs)
     for ci, c in enumerate(out):
         for f in out[:ci]:
