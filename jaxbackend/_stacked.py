@@ -148,8 +148,8 @@ def splits_layers(eqn) -> bool:
     unsharded: JAX's dead-code elimination rewrites a `custom_vjp_call`
     with a new backward rule (`dce_bwd`), so `splits_entries` no longer
     holds after the pipeline's `dce`, though the split is the same."""
-    return (eqn.primitive.name in _jax.CALL_PRIMITIVES or eqn.primitive.name == "custom_vjp_call"
-            ) and _unit_split(eqn, every=False)
+    name = eqn.primitive.name
+    return (name in _jax.CALL_PRIMITIVES or name == "custom_vjp_call") and _unit_split(eqn, False)
 
 
 def _unit_split(eqn, every: bool) -> bool:

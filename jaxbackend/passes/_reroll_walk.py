@@ -335,8 +335,9 @@ class Walk:
         local: dict = {}
         eqns: list = []
         xs_in = dict(xs)
-        for s in xs_bits:
-            eqns.append(_stacks.bits_eqn(xs_in, s, xs[s], to_bits=False))
+        for s in xs_bits:   # the body reads the bits and bitcasts them back
+            xs_in[s] = new(_stacks.bits_aval(xs[s].aval))
+            eqns.append(_stacks.bitcast_eqn(xs_in[s], xs[s]))
         for r, eqn in enumerate(block):
             invars = []
             for t, v in zip(run.template[r], eqn.invars):
@@ -356,7 +357,9 @@ class Walk:
             eqns.append(self.subs(eqn).replace(invars=invars, outvars=outvars))
         ys = [local[slot] for slot in run.ys_slots]
         for k in ys_bits:
-            eqns.append(_stacks.bits_eqn(ys, k, ys[k], to_bits=True))
+            bits = new(_stacks.bits_aval(ys[k].aval))
+            eqns.append(_stacks.bitcast_eqn(ys[k], bits))
+            ys[k] = bits
         outvars = [local[slot] for slot in run.carry_slots] + ys + [carry[c] for c in run.carry_ys]
         invars = [consts[s] for s in const_slots] + carry + [xs_in[s] for s in xs_slots]
         return _jax.as_closed(_jax.new_jaxpr(invars, outvars, eqns))

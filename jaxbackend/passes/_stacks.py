@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxbackend import _jax
-
 
 # XLA:CPU fuses a concatenate of at most this many operands into its readers
 # (`kMaxConcatenateArguments` in xla/service/cpu/cpu_instruction_fusion.cc,
@@ -144,19 +142,14 @@ def as_bits(aval):
     return _BITS.get(jnp.dtype(aval.dtype)) if hasattr(aval, "dtype") else None
 
 
-def bits_eqn(table, key, v, to_bits: bool):
-    """The equation `table[key] = bitcast_convert_type(v)` with a fresh
-    variable put in `table[key]`: to `as_bits(v.aval)` (`to_bits`), or
-    from it (v the float variable the body reads; the fresh one of the
-    uint16 type becomes the body input)."""
-    bits_aval = v.aval.update(dtype=as_bits(v.aval))
-    if to_bits:
-        src, dst = v, _jax.new_var(bits_aval)
-        table[key] = dst
-    else:
-        src = table[key] = _jax.new_var(bits_aval)
-        dst = v
-    shape, a, b = v.aval.shape, src.aval.dtype, dst.aval.dtype   # type: ignore[attr-defined]
+def bits_aval(aval):
+    """`aval` with the type `as_bits` gives it."""
+    return aval.update(dtype=as_bits(aval))
+
+
+def bitcast_eqn(src, dst):
+    """The equation `dst = bitcast_convert_type(src)` (types of one width)."""
+    shape, a, b = src.aval.shape, src.aval.dtype, dst.aval.dtype
     if (shape, a, b) not in _BITCASTS:   # traced once per type: the one equation, re-wired
         _BITCASTS[shape, a, b] = jax.make_jaxpr(lambda x: lax.bitcast_convert_type(x, b))(
             jax.ShapeDtypeStruct(shape, a)).jaxpr.eqns[0]

@@ -19,10 +19,11 @@ alternating, sliding-window and global attention, roll two per forward
 block; the backward, whose layers then differ only in what they read, is
 rolled at the same period: `_reroll_find._match_producer_period`). Every
 stacked array is recorded (variable -> (stack, index)), so when a later
-run's per-block inputs are exactly a contiguous, in-order or reversed, slice of a stack made earlier
-(the forward residuals, or the weights the forward scan already stacked), the
-later scan reads that stack directly (`reverse=True` for the backward pass)
-instead of copying. Only values no stack holds are stacked with a copy (the
+run's per-block inputs are exactly a contiguous, in-order or reversed,
+slice of a stack made earlier (the forward residuals, or the weights the
+forward scan already stacked), the later scan reads that stack directly
+(`reverse=True` for the backward pass) instead of copying. Only values no
+stack holds are stacked with a copy (the
 layer weights, once per call); results used outside a scan (the weight
 gradients, returned unstacked as before) are indexed out lazily, only where
 something reads them.
