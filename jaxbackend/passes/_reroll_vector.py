@@ -249,6 +249,12 @@ def emit(walk, fam):
     if e0.primitive.name in _jax.REDUCTIONS:
         params = _jax.reduce_params(e0, [a + 1 for a in _jax.reduce_axes(e0)])
     outs = walk.b.bind(e0.primitive, args, **params)
+    if all(a.aval.ndim == v.aval.ndim for a, v in zip(args, e0.invars)):
+        # every input one scalar all members share (a step size from one
+        # learning rate, traced once per layer): one value, made a stack of
+        # n equal entries, as the family's readers expect
+        outs = [_broadcast(walk.b, o, (n,) + tuple(o.aval.shape),
+                           tuple(range(1, o.aval.ndim + 1))) for o in outs]
     for k, out in enumerate(outs):
         sid = walk.register(out, [m.outvars[k] for m in members])
         walk.family_out[(id(fam), k)] = sid

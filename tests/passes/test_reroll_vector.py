@@ -198,3 +198,23 @@ def test_a_rolled_program_with_a_held_stack_is_differentiable():
     gx, gy = jax.grad(lambda x, y: sum((h ** 2).sum() for h in hold((x, y), jnp.int32(0))),
                       argnums=(0, 1))(x, y)
     assert (gx == 2 * x).all() and (gy == 2 * y).all()
+
+
+class _SharedScalarPerLayer:
+    """Each layer computes its step size from one shared scalar (as optax's
+    schedule-free and Muon updates do): `lr * 0.5` is traced once per layer,
+    every input shared by all of them."""
+
+    def init(self, ws):
+        return jnp.float32(0.1)
+
+    def __call__(self, g, ws, lr):
+        return [w - (lr * 0.5) * gi for (w, *_), (gi, *_) in zip(ws, g)]
+
+
+def test_a_family_of_shared_scalars_is_stacked_for_its_readers():
+    # the members of `lr * 0.5` read nothing per layer: applied once, their
+    # result must still be a stack of N entries for the per-layer families
+    # that read it (it was one scalar, and the reader's broadcast failed)
+    out, _, stats = _check(_SharedScalarPerLayer())
+    assert stats.vectorized_eqns >= 3 * N
