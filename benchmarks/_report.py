@@ -146,8 +146,9 @@ def spawn_on_8_devices(script: str, args: list, what: str, count: str) -> dict:
     """`python script *args` in a fresh process on 8 simulated CPU devices,
     run from the repository root: its RESULT dict, plus `warnings`, how
     many times `count` occurs on its stderr (XLA's partitioner warnings)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    from jaxbackend._devices import cpu_device_flags
+
+    env = dict(os.environ, XLA_FLAGS=cpu_device_flags(8), JAX_PLATFORMS="cpu")
     res, err = _run_child([script, *args], what, env=env, cwd=ROOT)
     res["warnings"] = err.count(count)
     return res

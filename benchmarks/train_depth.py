@@ -48,8 +48,10 @@ def run_point(variant: str, layers: int) -> dict:
 def main() -> None:
     from _report import depth_cli, spawn_point
 
+    from jaxbackend._devices import cpu_device_flags
+
     a = depth_cli(__doc__, run_point, "2 and 4 layers, one repeat, no file")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=cpu_device_flags(8))
     depths, repeat = ((2, 4), 1) if a.quick else ((4, 8, 32), a.repeat)
     got: dict = {}
     for _ in range(repeat):

@@ -10,10 +10,10 @@ Run: python examples/04_passes_and_sharding.py [--tiny]
 import argparse
 import os
 
+import jaxbackend as jb
+
 # 8 simulated CPU devices: must be set before JAX creates its CPU client.
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+jb.simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

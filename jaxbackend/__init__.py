@@ -9,6 +9,7 @@ import importlib as _importlib
 
 from jaxbackend import named as named
 from jaxbackend import passes as passes
+from jaxbackend._devices import simulate_cpu_devices as simulate_cpu_devices
 from jaxbackend._layer import layer as layer
 from jaxbackend._stacked import Stacked as Stacked
 from jaxbackend._stacked import stack_layers as stack_layers

@@ -76,6 +76,16 @@ def register_lowering_from_fun(prim: Primitive, fun) -> None:
     mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=False))
 
 
+def backends_created() -> bool:
+    """Whether JAX has created its backends (its device clients), after which
+    XLA_FLAGS are no longer read. JAX 0.10: `xla_bridge._backends`, the dict
+    of created clients, filled on the first `jax.devices()` or computation;
+    no public API says whether that happened."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge._backends)
+
+
 # ---------------------------------------------------------------------------
 # passes / jit: jaxpr traversal internals (owner: passes, jaxbackend.jit).
 # Checked on JAX 0.10.2. `Var(aval)` takes only the aval since JAX 0.7

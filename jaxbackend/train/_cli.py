@@ -8,8 +8,8 @@ given flags, those that decide the numbers must agree with the checkpoint,
 and `--steps` may grow to extend the run); `--tiny`'s small defaults (for
 tests); the defaults `--help` shows. `--devices N` (N > 1) must act before
 JAX creates its CPU client, so `main` sets
-`XLA_FLAGS=--xla_force_host_platform_device_count=N` before anything asks
-JAX for devices (importing jax is fine; the client is created lazily; reading
+`XLA_FLAGS` (`jaxbackend._devices.cpu_device_flags`: N devices, and the
+scheduler setting multi-device runs need) before anything asks JAX for devices (importing jax is fine; the client is created lazily; reading
 a checkpoint's metadata creates none).
 
 Checkpoints go to `OUT/checkpoints/<step>` (orbax; see `_checkpoint`):
@@ -36,6 +36,8 @@ import pathlib
 import shutil
 import signal
 import sys
+
+from jaxbackend._devices import cpu_device_flags
 
 DEFAULTS = dict(steps=250, batch=32, seq=64, layers=2, embd=128, heads=4, lr=3e-3,
                 ckpt_every=100, eval_every=100, max_chars=2_000_000, eval_batches=8,
@@ -223,10 +225,7 @@ def _take_checkpoint_settings(args, given: set, ckpt: pathlib.Path) -> None:
 
 def _set_devices(n: int) -> None:
     if n > 1:
-        flag = f"--xla_force_host_platform_device_count={n}"
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+        os.environ["XLA_FLAGS"] = cpu_device_flags(n, os.environ.get("XLA_FLAGS", ""))
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,9 @@ devices here, 8 in the cluster; runs the searched plan's training step on a
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from jaxbackend._devices import cpu_device_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_device_flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
