@@ -19,7 +19,11 @@ per-layer params (the `nnx.List` as it is) and stacked params
   SPMD partitioner's "involuntary full rematerialization" warnings;
 * at 4 layers, the searched step's results (params, AdamW state, loss)
   against `jax.jit`'s on one device (`testing.assert_close` at the error
-  model's scale, `testing.abs_scale`).
+  model's scale, `testing.abs_scale`);
+* where the searched plan moves more bytes than the better hand set, both
+  run `STEPS` steps (one process each, after a warm-up step): the search
+  minimises modelled step time, and the table says whether the extra bytes
+  bought time.
 
 Run: `python benchmarks/other_models.py` (`--models vit dit` for some,
 `--repeat N`, `--quick` for a 2-layer smoke run that writes nothing).
@@ -39,9 +43,11 @@ sys.path.insert(0, str(ROOT))
 
 WARNING = "Involuntary full rematerialization"
 MESH = (2, 4)
+STEPS = 5   # steps timed per plan where the searched plan moves more bytes
 
 
-def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool) -> dict:
+def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool,
+              steps: int = 0) -> dict:
     import jax
 
     import jaxbackend as jb
@@ -68,14 +74,35 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool) 
                              scale=lambda: testing.abs_scale(step, *args),
                              what=f"{model} {kind} searched step")
         out["equal"] = True
+    if steps:   # seconds per step: the median of `steps` after one warm-up step
+        state = compiled(params, opt_state, *batch)[:2]
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state = jax.block_until_ready(compiled(*state, *batch))[:2]
+            times.append(time.perf_counter() - t)
+        out["step_seconds"] = statistics.median(times)
     return out
 
 
-def spawn(model, kind, layers, rules_name, check=False) -> dict:
+def spawn(model, kind, layers, rules_name, check=False, steps=0) -> dict:
     from benchmarks import _report
 
     return _report.spawn_on_8_devices(__file__, ["--child", json.dumps(
-        [model, kind, layers, rules_name, check])], f"{model} {kind} {layers} {rules_name}", WARNING)
+        [model, kind, layers, rules_name, check, steps])], f"{model} {kind} {layers} {rules_name}",
+        WARNING)
+
+
+def better_hand(runs, point) -> str:
+    """The hand rule set of `point` (model, kind, layers) with fewer bytes."""
+    return min(("dp", "megatron"), key=lambda r: runs[point + (r,)][0]["bytes"])
+
+
+def more_bytes(runs, point) -> bool:
+    """Whether the searched plan of `point` moves more bytes than the better
+    hand set (0.1% slack: the byte counts of equal plans are equal)."""
+    return (runs[point + ("search",)][0]["bytes"]
+            > runs[point + (better_hand(runs, point),)][0]["bytes"] * 1.001)
 
 
 def measure(models, depths, repeat: int) -> dict:
@@ -93,6 +120,10 @@ def measure(models, depths, repeat: int) -> dict:
             for d in depths:
                 for rules in ("dp", "megatron"):
                     runs[(m, kind, d, rules)] = [spawn(m, kind, d, rules)]
+    for point in [p[:3] for p in runs if p[3] == "search"]:
+        if more_bytes(runs, point):   # did the extra bytes buy time? one process each
+            for rules in ("search", better_hand(runs, point)):
+                runs[point + (rules, "steps")] = spawn(*point, rules, steps=STEPS)
     return runs
 
 
@@ -100,9 +131,10 @@ def render(runs, models, depths, repeat: int) -> str:
     mib = 2 ** 20
     rows = ["| model | params | layers | compile s (median of %d) | deepest / shallowest | "
             "collectives MiB: searched / data parallel / Megatron | memory MiB: predicted / "
-            "measured | warnings | values = jax.jit | searched rules |" % repeat,
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    verdict = {"flat": [], "bytes": [0, 0], "memory": [], "warnings": 0}
+            "measured | warnings | values = jax.jit | searched rules | where searched bytes "
+            "exceed: s/step searched / better hand set |" % repeat,
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    verdict: dict = {"flat": [], "bytes": [0, 0], "memory": [], "warnings": 0, "steps": []}
     for m in models:
         for kind in ("per-layer", "stacked"):
             secs = {d: statistics.median(x["seconds"] for x in runs[(m, kind, d, "search")])
@@ -112,19 +144,24 @@ def render(runs, models, depths, repeat: int) -> str:
             for d in depths:
                 s = runs[(m, kind, d, "search")][0]
                 dp, mg = runs[(m, kind, d, "dp")][0], runs[(m, kind, d, "megatron")][0]
-                best = min(dp["bytes"], mg["bytes"])
-                verdict["bytes"][0] += s["bytes"] <= best
+                verdict["bytes"][0] += not more_bytes(runs, (m, kind, d))
                 verdict["bytes"][1] += 1
                 verdict["memory"].append(s["predicted"] / s["memory"])
                 verdict["warnings"] += s["warnings"] + dp["warnings"] + mg["warnings"]
                 rules = ", ".join(f"{k}: {v if isinstance(v, str) else '(' + ', '.join(v) + ')'}"
                                   for k, v in s["rules"].items()) or "-"
+                timed = ""
+                if more_bytes(runs, (m, kind, d)):
+                    hand = better_hand(runs, (m, kind, d))
+                    a, b = (runs[(m, kind, d, r, "steps")]["step_seconds"] for r in ("search", hand))
+                    verdict["steps"].append(a / b)
+                    timed = f"{a:.3f} / {b:.3f} ({hand}): {a / b:.2f}"
                 rows.append(
                     f"| {m} | {kind} | {d} | {secs[d]:.2f} | "
                     f"{f'{ratio:.2f}' if d == depths[-1] else ''} | "
                     f"{s['bytes'] / mib:.1f} / {dp['bytes'] / mib:.1f} / {mg['bytes'] / mib:.1f} | "
                     f"{s['predicted'] / mib:.0f} / {s['memory'] / mib:.0f} | "
-                    f"{s['warnings']} | {'yes' if s.get('equal') else ''} | {rules} |")
+                    f"{s['warnings']} | {'yes' if s.get('equal') else ''} | {rules} | {timed} |")
     worst = max(verdict["flat"], key=lambda t: t[2])
     mem = verdict["memory"]
     lines = [
@@ -132,6 +169,11 @@ def render(runs, models, depths, repeat: int) -> str:
         f"({worst[0]}, {worst[1]}); per model and params: "
         + ", ".join(f"{m} {k} {r:.2f}" for m, k, r in verdict["flat"]) + ".",
         f"- searched bytes <= the better hand set: {verdict['bytes'][0]} of {verdict['bytes'][1]}.",
+        f"- where searched bytes exceed it, measured seconds per step searched / that hand set's "
+        f"({STEPS} steps, median, one process each): "
+        + (", ".join(f"{r:.2f}" for r in verdict["steps"]) + f" (searched faster in "
+           f"{sum(r < 1 for r in verdict['steps'])} of {len(verdict['steps'])})"
+           if verdict["steps"] else "none") + ".",
         f"- memory predicted / measured: {min(mem):.2f} .. {max(mem):.2f} (target within 20%: "
         f"{'met' if all(0.8 <= x <= 1.2 for x in mem) else 'missed'}).",
         f"- involuntary rematerialization warnings, all plans: {verdict['warnings']}.",

@@ -7,10 +7,11 @@ checkpoint recorded (so `--resume` alone continues the run as it was; of the
 given flags, those that decide the numbers must agree with the checkpoint,
 and `--steps` may grow to extend the run); `--tiny`'s small defaults (for
 tests); the defaults `--help` shows. `--devices N` (N > 1) must act before
-JAX creates its CPU client, so `main` sets
-`XLA_FLAGS` (`jaxbackend._devices.cpu_device_flags`: N devices, and the
-scheduler setting multi-device runs need) before anything asks JAX for devices (importing jax is fine; the client is created lazily; reading
-a checkpoint's metadata creates none).
+JAX creates its CPU client, so `main` sets `XLA_FLAGS`
+(`jaxbackend._devices.cpu_device_flags`: N devices, and the scheduler setting
+multi-device runs need) before anything asks JAX for devices (importing jax
+is fine; the client is created lazily; reading a checkpoint's metadata
+creates none).
 
 Checkpoints go to `OUT/checkpoints/<step>` (orbax; see `_checkpoint`):
 every `--ckpt-every` steps and at the end, written in the background while
