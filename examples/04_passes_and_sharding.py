@@ -8,7 +8,6 @@ Run: python examples/04_passes_and_sharding.py [--tiny]
 """
 
 import argparse
-import os
 
 import jaxbackend as jb
 
