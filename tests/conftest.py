@@ -1,9 +1,10 @@
-"""Test setup: 8 simulated CPU devices (before JAX creates its CPU client),
-with the flags `jaxbackend.simulate_cpu_devices` sets."""
+"""Test setup: 8 simulated CPU devices (must precede the first jax import)."""
 
-import jaxbackend as jb
+import os
 
-jb.simulate_cpu_devices(8)
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
 
