@@ -14,14 +14,15 @@ layers, searched or Megatron rules: 13 of 13 runs; with that scheduler off,
 within 2%: 2.7 s, 3.0 s/step). A 5-layer width-32 version ran either way:
 the deadlock is a race, likelier the longer the loops run.
 `cpu_device_flags` switches that scheduler off (the train CLI's `--devices`,
-the benchmarks' child processes, the examples and the notebooks use it): the
+the benchmarks' child processes, example and notebook 04 use it): the
 programs are the same, only the order XLA gives independent operations
 changes, and with it XLA's buffer reuse: on three memory-model tests
 (calibrated under the default scheduler, within 10-25% there) the predicted
 per-device memory became 1.29x and 1.44x of `memory_analysis`'s (two
 tensor-parallel plans) and 0.89x (a donation test), so the test suite's
-process keeps the default scheduler (it sets only the device count). `tests/sharding/test_collective_order.py`
-is the check, in a process of its own.
+process keeps the default scheduler (it sets only the device count).
+`tests/sharding/test_collective_order.py` is the check, in a process of its
+own.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def simulate_cpu_devices(n: int) -> None:
 
     from jaxbackend import _jax
 
-    flags = cpu_device_flags(n, os.environ.get("XLA_FLAGS", ""))
-    if _jax.backends_created() and flags.split() != os.environ.get("XLA_FLAGS", "").split():
+    current = os.environ.get("XLA_FLAGS", "")
+    flags = cpu_device_flags(n, current)
+    if _jax.backends_created() and flags.split() != current.split():
         raise RuntimeError(
             f"simulate_cpu_devices({n}): JAX has already created its devices "
             f"({len(jax.devices())} now); call it before the first JAX computation or "

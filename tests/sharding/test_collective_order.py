@@ -22,16 +22,15 @@ import jax
 import pytest
 
 import jaxbackend as jb
+from tests._cluster import worker_env
 
 WORKER = pathlib.Path(__file__).with_name("_collective_worker.py")
 
 
 def test_rolled_adafactor_step_under_tensor_parallel_rules_runs_and_equals_jax_jit():
     # its own process: the scheduler flag is read when JAX creates its devices
-    env = dict(os.environ, PYTHONPATH=str(WORKER.parents[2]))
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, str(WORKER)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(WORKER)], env=worker_env(), capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.split()[-1:] == ["equal"], done.stderr[-3000:]
 
 
