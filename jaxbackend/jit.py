@@ -119,7 +119,7 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
         args = _merge_static(static, dyn)
         watched = _nnx_state((args, kw))
         out = fn(*args, **kw, **static_kw)
-        _check_nnx_unchanged(fn, watched)
+        _check_nnx_unchanged(fn, watched, out)
         return out
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(_planned.spec, leaves))
@@ -143,10 +143,21 @@ def _nnx_state(tree) -> list:
             for p, x in found if isinstance(x, kinds)]
 
 
-def _check_nnx_unchanged(fn, watched) -> None:
+def _check_nnx_unchanged(fn, watched, out) -> None:
+    """Refuse an update of NNX state passed in unless fn returns it as NNX
+    state: the updated Variable, or a State or module holding it (a functional
+    step with dropout returns `nnx.state(model, nnx.RngState)`), which gives
+    the caller the new value, as jax.jit would. A bare array returned is not
+    taken for the update (the caller's Variable would keep its old value)."""
+    if not watched:
+        return
+    kinds = (sys.modules["flax.nnx"].Pytree, sys.modules["flax.nnx"].Variable)
+    returned = {id(x) for obj in jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, kinds))
+                if isinstance(obj, kinds) for x in jax.tree.leaves(obj)}
     for where, obj, leaves, tree in watched:
         now, now_tree = jax.tree_util.tree_flatten_with_path(obj)
-        changed = [jax.tree_util.keystr(p) for (p, a), (_, b) in zip(leaves, now) if a is not b]
+        changed = [jax.tree_util.keystr(p) for (p, a), (_, b) in zip(leaves, now)
+                   if a is not b and id(b) not in returned]
         if changed or now_tree != tree:
             raise TypeError(
                 f"jb.jit: {getattr(fn, '__name__', 'fn')} updated Flax NNX state at "

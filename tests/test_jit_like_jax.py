@@ -291,6 +291,35 @@ def test_nnx_variable_update_is_refused():
         jb.jit(bump).trace_passes(v=nnx.Variable(jnp.zeros(())), x=x)
 
 
+def test_nnx_state_update_returned_as_state_is_kept_like_jax_jit():
+    # a functional step with dropout: the module's Rngs advance inside, and the
+    # step returns their new state, so nothing is lost (as under jax.jit)
+    from flax import nnx
+
+    graphdef, state = nnx.split(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+
+    def step(state, x):
+        m = nnx.merge(graphdef, state)
+        return m(x), nnx.state(m)
+
+    x = jnp.ones((64,))
+    got, want = jb.jit(step), jax.jit(step)
+    for _ in range(2):   # the second call draws from the returned (advanced) state
+        (y, state_got), (y_want, state) = got(state, x), want(state, x)
+        np.testing.assert_array_equal(y, y_want)
+        bits = [jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+                else a for a in jax.tree.leaves((state_got, state))]
+        half = len(bits) // 2
+        for a, b in zip(bits[:half], bits[half:]):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(y, want(nnx.split(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))[1],
+                                      x)[0])   # the state did advance
+    # the Variable itself returned keeps its update too; its bare value does not
+    bump = lambda v, x: (v.__setitem__(..., v[...] + x.sum()), v)[1]
+    v = jb.jit(bump)(nnx.Variable(jnp.zeros(())), x)
+    assert float(v[...]) == 64.0
+
+
 def test_nnx_module_read_only_works_like_jax_jit():
     nnx, model, _, x, _ = _nnx_setup()
     out = jb.jit(lambda m, x: m(x))(model, x)
