@@ -588,6 +588,16 @@ def dot_dimension_numbers(eqn) -> tuple:
     return eqn.params["dimension_numbers"]
 
 
+def conv_dims(eqn) -> tuple:
+    """(lhs, rhs, out) axis specs and (feature_group_count, batch_group_count)
+    of a conv_general_dilated: lhs (batch, feature, spatial...), rhs
+    (out feature, in feature, window...), out (batch, feature, spatial...)
+    (`lax.ConvDimensionNumbers`, always bound as one)."""
+    dn = eqn.params["dimension_numbers"]
+    return ((tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
+            (eqn.params["feature_group_count"], eqn.params["batch_group_count"]))
+
+
 def gather_parts(eqn) -> tuple:
     """(GatherDimensionNumbers, slice_sizes) of a `gather` equation."""
     return eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])

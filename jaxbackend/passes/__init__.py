@@ -16,6 +16,7 @@ from jaxbackend.passes._rewrite import (
     record_stats as record_stats,
     rewrite as rewrite,
 )
+from jaxbackend.passes.canonical_conv import canonical_conv as canonical_conv
 from jaxbackend.passes.cse import cse as cse
 from jaxbackend.passes.dce import dce as dce
 from jaxbackend.passes.fuse_projections import fuse_projections as fuse_projections

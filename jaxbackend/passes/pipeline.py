@@ -25,11 +25,16 @@ Order (`DEFAULT_PIPELINE`) and why:
                    what it reads anyway (what XLA does across an unrolled
                    program, not across a loop). After the rewrites that
                    change the bodies; before cse, which merges the copies.
-6. `cse`           AD repeats work; earlier rewrites can create duplicates.
-7. `dce`           drop what fusion, hoisting, grouping and cse left dead
+6. `canonical_conv`  convolutions in XLA's canonical layout (NHWC / HWIO),
+                   operands transposed into it: AD writes others, which
+                   XLA:CPU runs 20-40x slower inside a loop body (a rolled
+                   backward pass). After the rewrites that make loops;
+                   before cse, which merges transposes of one value.
+7. `cse`           AD repeats work; earlier rewrites can create duplicates.
+8. `dce`           drop what fusion, hoisting, grouping and cse left dead
                    (the residuals `remat_residuals` no longer reads).
    (the sharding search reads the jaxpr at this point: names still there.)
-8. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
+9. `inline`        last: einsum -> dot_general, so XLA sees a flat standard
                    jaxpr with no custom primitive.
 
 Adding a pass is one line: `PASSES["name"] = fn` (fn: ClosedJaxpr ->
@@ -60,6 +65,7 @@ from typing import Callable, Sequence
 
 from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
+from jaxbackend.passes.canonical_conv import canonical_conv
 from jaxbackend.passes.cse import cse
 from jaxbackend.passes.dce import dce
 from jaxbackend.passes.fuse_projections import fuse_projections
@@ -91,6 +97,7 @@ PASSES: dict[str, Callable] = {
     "hoist_broadcast": hoist_broadcast,
     "group_heads": group_heads,
     "remat_residuals": remat_residuals,
+    "canonical_conv": canonical_conv,
     "cse": cse,
     "dce": dce,
     "inline": inline,
@@ -98,7 +105,7 @@ PASSES: dict[str, Callable] = {
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "reroll", "inline_calls", "fuse_projections", "hoist_broadcast", "group_heads",
-    "remat_residuals", "cse", "dce", "inline")
+    "remat_residuals", "canonical_conv", "cse", "dce", "inline")
 
 
 @dataclasses.dataclass

@@ -94,3 +94,9 @@ def calls(closed) -> int:
     """Nested `jit` / `closed_call` equations left (inline_calls flattens them)."""
     return _rewrite.count_eqns(closed, "jit") + _rewrite.count_eqns(closed, "closed_call")
 
+
+
+def noncanonical_convs(closed) -> int:
+    """Convolutions not in XLA's canonical layout (canonical_conv makes them so)."""
+    from jaxbackend.passes.canonical_conv import remaining
+    return remaining(closed)
