@@ -57,6 +57,7 @@ from jaxbackend.passes._reroll_run import (BAD, LIT, Carry, DepGraph, Inner, Out
                                            Run)
 
 MAX_PERIOD_CANDIDATES = 16
+PAIR_PERIOD_CANDIDATES = 4   # second-next distances tried (`candidate_periods`)
 # A block lighter than this is not worth a loop (a scan costs more than the
 # couple of kernels it would save): e.g. AD's `mul` chains from x ** 2. The
 # weight of an equation counts the equations of its sub-jaxprs (a layer
@@ -90,29 +91,48 @@ def signatures(eqns, keys: _rewrite.StructuralKeys) -> list:
 def candidate_periods(sigs, weights, min_repeats: int) -> list:
     """Distances between consecutive equal signatures, best-covering first
     (coverage counted in weight, so one remat equation per layer counts as
-    the layer), then the periods at which sub-jaxpr equations repeat. A
-    distance under MIN_BLOCK_EQNS stays a candidate only when equations with
-    sub-jaxprs repeat at it; `find_runs` checks each run's block weight."""
+    the layer); then distances to the second-next equal signature, for a
+    block made of two halves alike (a residual block of two conv-BatchNorm
+    pairs: its backward repeats every equation twice per block, 32 and 33
+    equations apart, and no equation once per block, so the block's 65 is no
+    distance between neighbours); then the periods at which sub-jaxpr
+    equations repeat. A distance under MIN_BLOCK_EQNS stays a candidate only
+    when equations with sub-jaxprs repeat at it; `find_runs` checks each
+    run's block weight."""
     last: dict = {}
+    last2: dict = {}     # the occurrence before last
     hist: collections.Counter = collections.Counter()
     heavy: collections.Counter = collections.Counter()
+    hist2: collections.Counter = collections.Counter()
+    heavy2: collections.Counter = collections.Counter()
     for i, s in enumerate(sigs):
         if s in last:
             d = i - last[s]
             hist[d] += 1
             heavy[d] += weights[i] - 1
+            if s in last2:
+                d = i - last2[s]
+                hist2[d] += 1
+                heavy2[d] += weights[i] - 1
+            last2[s] = last[s]
         last[s] = i
-    ok = [((c + heavy[d]) * d, d) for d, c in hist.items()
-          if c >= max(1, min_repeats - 1) and (d >= MIN_BLOCK_EQNS or heavy[d])]
-    ok.sort(key=lambda t: (-t[0], t[1]))
+
+    def ranked(hist, heavy):
+        ok = [((c + heavy[d]) * d, d) for d, c in hist.items()
+              if c >= max(1, min_repeats - 1) and (d >= MIN_BLOCK_EQNS or heavy[d])]
+        ok.sort(key=lambda t: (-t[0], t[1]))
+        return ok
+
+    ok = ranked(hist, heavy)
     best = [d for _, d in ok[:MAX_PERIOD_CANDIDATES]]
+    pairs = [d for _, d in ranked(hist2, heavy2) if d not in best][:PAIR_PERIOD_CANDIDATES]
     # Periods at which layer calls (equations with sub-jaxprs) repeat, by the
     # weight they repeat: a run of short-period calls (an encoder of jitted
     # blocks, one equation each) next to a long unrolled region (a decoder
     # whose blocks are inlined) scores far below that region's many partial
     # periods above, and would be left out of the first list.
     calls = sorted(((-heavy[d], d) for _, d in ok[MAX_PERIOD_CANDIDATES:] if heavy[d]))
-    return best + [d for _, d in calls[:MAX_PERIOD_CANDIDATES]]
+    return best + pairs + [d for _, d in calls[:MAX_PERIOD_CANDIDATES]]
 
 
 def periodic_regions(sigs, period: int, min_repeats: int):

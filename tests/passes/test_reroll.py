@@ -286,3 +286,29 @@ def test_half_precision_residuals_are_stacked_as_their_bits():
         text = compiled.as_text()
     assert temps[jnp.bfloat16] < temps[jnp.float32], temps
     assert "u16[8,256,64]" in text
+
+
+def _two_halves(x, ws):
+    # a residual block of two alike conv -> batch-norm -> relu halves: its
+    # backward repeats every equation twice per block and none once, so the
+    # block's period is no distance between neighbouring equal equations
+    def half(h, w):
+        h = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        m = h.mean((0, 1, 2))
+        v = (h * h).mean((0, 1, 2)) - m * m
+        return jax.nn.relu((h - m) * jax.lax.rsqrt(v + 1e-5))
+
+    for w1, w2 in ws:
+        x = x + half(half(x, w1), w2)
+    return jnp.sum(x * x)
+
+
+def test_a_block_of_two_alike_halves_rolls_forward_and_backward():
+    ws = [(0.3 * rand(400 + i, 3, 3, 4, 4), 0.3 * rand(500 + i, 3, 3, 4, 4)) for i in range(6)]
+    closed, leaves = _vg_jaxpr(lambda x, ws: (_two_halves(x, ws), None), (rand(8, 2, 5, 5, 4), ws),
+                               "all")
+    out, stats = reroll_with_stats(closed, min_repeats=5)   # the pipeline's minimum
+    assert [(r.repeats, r.reverse) for r in stats.runs] == [(6, False), (6, True)]
+    assert reroll(out, min_repeats=5) is out
+    assert_same_values(closed, out, leaves)
