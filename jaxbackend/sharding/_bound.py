@@ -12,7 +12,7 @@ budget, are dropped. Invariant: a bound never exceeds the true time
 the incumbent survives; the survivors, ranked as the exhaustive search
 ranks (`_tables.best_of`), give its least time; a second pass with that
 time plus the tolerance as the bound keeps the plans the exhaustive search
-picks the least communication among (`_tables.least_comm`).
+picks the fewest collective bytes among (`_tables.least_comm`).
 
 Heuristics (stats["optimal"] False, stats["why"] says why): the incumbent,
 when the frontier would outgrow `FRONTIER_LIMIT` or the deadline passes; and

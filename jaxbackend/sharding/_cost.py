@@ -185,7 +185,7 @@ class CostModel:
         `latency_share` of the latency (a combined all-reduce's share)."""
         ms = self.mesh
         return ring_time(kind, ms.group_size[mask], full_bytes, ms.group_bandwidth[mask],
-                         ms.group_latency[mask] * latency_share)
+                         ms.group_latency[mask] * latency_share, ms.profile.rendezvous)
 
     # -- one distinct op under N plans -------------------------------------------
     def op_cost(self, sig, masks, detail=False):
@@ -399,24 +399,27 @@ class CostModel:
         return fixed, temp + gathered
 
     # -- whole plans -------------------------------------------------------------
-    def time_terms(self, masks):
+    def time_terms(self, masks, comm: bool = True):
         """`step_time` as a list of terms (per distinct op, times its
         multiplicity; then per operand all-gather group), the extras, and the
-        terms' communication parts (the search's tie-break). Under masks
-        broadcast over a grid (one axis per searched key) a term spans only
-        the axes of the keys it depends on: what lets the search bound
-        partial plans."""
+        terms' collective bytes per device (the search's tie-break; empty
+        without `comm`). Under masks broadcast over a grid (one axis per
+        searched key) a term spans only the axes of the keys it depends on:
+        what lets the search bound partial plans."""
         terms, extras, comms = [], [], []
         for sig, mult in self.sigs:
-            t, _, ex, c = self.op_cost(sig, masks)
+            t, d, ex, _ = self.op_cost(sig, masks, detail=comm)
             extras.append(ex)
             terms.append(mult * t)
-            comms.append(mult * (t - c))
+            if comm:
+                comms.append(mult * sum(d.nbytes.values()))
         for grp in self.gather_groups:
             gm = self._group_mask(grp, extras)
             if np.any(gm):
-                terms.append(grp.mult * self.gather_cost(grp.keys, grp.nbytes, gm, masks)[0])
-                comms.append(terms[-1])
+                t, nbytes = self.gather_cost(grp.keys, grp.nbytes, gm, masks)
+                terms.append(grp.mult * t)
+                if comm:
+                    comms.append(grp.mult * nbytes)
         return terms, extras, comms
 
     def step_time(self, masks):

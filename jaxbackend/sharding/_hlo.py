@@ -101,7 +101,7 @@ def comm_time(hlo_text: str, mesh) -> float:
         bw = min((mesh.group_bandwidth[m] for m in cands), default=min(mesh.axis_bandwidth))
         lat = max((mesh.group_latency[m] for m in cands), default=max(mesh.axis_latency))
         full = nbytes * (n if kind == "reduce-scatter" else 1)   # the unreduced buffer
-        total += runs * ring_time(kind, n, full, bw, lat)
+        total += runs * ring_time(kind, n, full, bw, lat, mesh.profile.rendezvous)
     return total
 
 

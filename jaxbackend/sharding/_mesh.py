@@ -41,18 +41,26 @@ class HardwareProfile:
     inter_latency: float
     # XLA:CPU lowers reduce-scatter as all-reduce + slice; GPU emits it.
     reduce_scatter: bool = True
+    # Collectives are a rendezvous of device threads (XLA:CPU): every kind
+    # pays (n-1) latencies, an all-reduce no more than an all-gather
+    # (`_ring.ring_time`); on links, an all-reduce is two ring passes.
+    rendezvous: bool = False
 
 
 def cpu_profile(memory: float | None = None) -> HardwareProfile:
-    """This class of machine: host 'devices' share one memory system.
-    Latency per ring step as measured here (8 host devices, chains of
-    dependent 64-byte collectives): ~50 us for a group of 2, ~90 us of 4,
-    ~125 us of 8, i.e. ~15 us per step; the rendezvous of device threads,
-    not a wire (1 us made a collective look nearly free next to compute)."""
+    """This class of machine: host 'devices' share one memory system, and a
+    collective is a rendezvous of their threads, not a ring over wires.
+    Latency as measured here (8 host devices on 2 cores, chains of 200
+    dependent 64-byte collectives, `benchmarks/cpu_collectives.py`):
+    all-reduce, all-gather and reduce-scatter alike, ~25 us for a group of
+    2, ~70 us of 4, ~175 us of 8, i.e. ~25 us per other device, whatever
+    the kind (the ring formulas' two passes made an all-reduce look 1.2x
+    dearer than it is and an all-gather 1.6x cheaper; 1 us made a collective
+    look nearly free next to compute)."""
     return HardwareProfile(
         name="cpu", peak_flops=5e10, mem_bandwidth=1e10, memory=memory or 24 * GiB,
-        devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=1.5e-5,
-        inter_bandwidth=5e9, inter_latency=1.5e-5, reduce_scatter=False)
+        devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=2.5e-5,
+        inter_bandwidth=5e9, inter_latency=2.5e-5, reduce_scatter=False, rendezvous=True)
 
 
 def h100_profile() -> HardwareProfile:

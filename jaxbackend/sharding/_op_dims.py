@@ -256,6 +256,40 @@ def _einsum(g, eqn, ins, outs, mult):
             reduced=tuple(range(len(od), len(order))), flops=flops)
 
 
+@register("conv_general_dilated")
+def _conv(g, eqn, ins, outs, mult):
+    """A convolution is a contraction over the input features: batch with
+    batch, out feature with the kernel's, in features summed (partial sums
+    where they are sharded, as for a dot; a weight gradient's conv sums the
+    batch this way). Spatial and window axes must be whole (REPLICATED), so a
+    sharded one is charged a full gather (XLA exchanges halos, which cost
+    less: an overcharge, never a plan that looks cheaper than it runs), and
+    so must a grouped convolution's grouped axes. Left to the default
+    rule, a conv looked element-wise and one flop per output, and a ResNet
+    step was planned channel-parallel (its inputs' and outputs' channels of
+    equal size unified) for 80x data parallel's collective bytes."""
+    lhs, rhs = ins
+    out = outs[0]
+    if lhs is None or rhs is None:
+        return _default(g, eqn, ins, outs, mult)
+    ((lb, lf, *_), (ro, ri, *window), (ob, of, *_)), (groups, batch_groups) = _jax.conv_dims(eqn)
+    ml, mr = [REPLICATED] * len(g.shapes[lhs]), [REPLICATED] * len(g.shapes[rhs])
+    if batch_groups == 1:
+        g.union(lhs, lb, out, ob)
+        ml[lb] = ob
+    g.union(rhs, ro, out, of)
+    mr[ro] = of
+    n = len(g.shapes[out])
+    extra, reduced = [], ()
+    if groups == 1:
+        g.union(lhs, lf, rhs, ri)
+        ml[lf] = mr[ri] = n
+        extra, reduced = [(lhs, lf)], (n,)
+    flops = 2 * _numel(g, out) * g.shapes[rhs][ri] * math.prod(g.shapes[rhs][a] for a in window)
+    _map_op(g, [(lhs, tuple(ml)), (rhs, tuple(mr))], out, mult,
+            kind="contract" if groups == 1 else "map", extra=extra, reduced=reduced, flops=flops)
+
+
 @register("gather")
 def _gather(g, eqn, ins, outs, mult):
     operand, indices = ins

@@ -45,7 +45,7 @@ from jaxbackend.sharding._mesh import MeshSpec
 _CONSTRAIN = {"einsum", "dot_general"}
 # ops whose route the model chooses as a contraction's (`_op_dims`), pinned
 # where the model gathers an operand (an embedding's gradient: the updates)
-_ROUTED = {"gather", "scatter-add", "scatter_add"}
+_ROUTED = {"gather", "scatter-add", "scatter_add", "conv_general_dilated"}
 _is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
 
 
@@ -236,7 +236,7 @@ class Plan:
         if st.get("optimal") is False:
             lines.append(f"search: {st['method']}, NOT proven optimal ({st['why']})")
         elif st.get("time", 0.0) > st.get("least_time", np.inf):
-            lines.append(f"search: the least communication within {_search.TOLERANCE:.0%} of the "
+            lines.append(f"search: the fewest collective bytes within {_search.TOLERANCE:.0%} of the "
                          f"least modelled time ({st['least_time'] * 1e3:.4g} ms)")
         for where, dim, axes in self.exceptions:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
@@ -266,7 +266,7 @@ class Plan:
             proven = ("proven optimal" if st.get("optimal")
                       else f"NOT proven optimal ({st.get('why')})")
             if st.get("optimal") and st.get("time", 0.0) > st.get("least_time", np.inf):
-                proven += (f" (the least communication within {_search.TOLERANCE:.0%} of the least "
+                proven += (f" (the fewest collective bytes within {_search.TOLERANCE:.0%} of the least "
                            f"modelled time, {st['least_time'] * 1e3:.4g} ms)")
             parts.append(_html.note(f"search: {st.get('method')}, {proven}, over "
                                     f"{st.get('candidates', 0):,} rule sets "

@@ -11,6 +11,9 @@ bandwidth `B` bytes/s and latency `a` seconds:
 * all-gather, reduce-scatter, all-to-all: (n-1)/n S/B + (n-1) a;
 * collective-permute: S/B + a (one hop).
 
+With `rendezvous` (XLA:CPU's simulated devices: the collective is a
+rendezvous of device threads, `_mesh.cpu_profile`) every kind pays (n-1) a.
+
 Every argument may be a numpy array (one entry per candidate plan); n = 1
 costs nothing.
 """
@@ -21,11 +24,11 @@ from __future__ import annotations
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
-def ring_time(kind: str, n, full_bytes, bandwidth, latency):
+def ring_time(kind: str, n, full_bytes, bandwidth, latency, rendezvous: bool = False):
     """Seconds of one `kind` collective over `n` devices (formulas above)."""
     frac, steps = (n - 1) / n, n - 1
     if kind == "all-reduce":
-        frac, steps = 2 * frac, 2 * steps
+        frac, steps = 2 * frac, (1 if rendezvous else 2) * steps
     elif kind == "collective-permute":
         frac, steps = 1.0, 1
     return frac * full_bytes / bandwidth + steps * latency

@@ -16,7 +16,7 @@ Ranking, shared by every method so they agree to the bit: plans in order of
 time (summed term by term in one fixed order), ties by grid order (fewer and
 earlier mesh axes first); the first that fits the budget wins. Then
 `least_comm`: among the plans that fit within a tolerance of that time, the
-least communication (`_search.TOLERANCE` says why). It leaves the cost
+fewest collective bytes (`_search.TOLERANCE` says why). It leaves the cost
 model alone.
 """
 
@@ -112,7 +112,7 @@ class Tables:
         return self.sum_at(self.time, idx)
 
     def comm_at(self, idx):
-        """Modelled communication time of plans `idx` (the time's part)."""
+        """Modelled collective bytes per device of plans `idx`."""
         return self.sum_at(self.comm, idx)
 
     def memory_at(self, idx):
@@ -152,7 +152,7 @@ def table_entries(cm, keys, options):
     two options per key (a term's shape shows which keys it depends on)."""
     n = len(keys)
     probe = grid_masks(cm, keys, [o[:2] for o in options])
-    terms, extras, _ = cm.time_terms(probe)
+    terms, extras, _ = cm.time_terms(probe, comm=False)
     total = 0
     for t in terms + [x for part in cm.memory_terms(probe, extras) for x in part]:
         total += math.prod(len(o) for o, s in zip(options, _as_grid(t, n).shape) if s > 1)
@@ -190,8 +190,8 @@ def best_of(tab, idx, budget):
 
 def least_comm(tab, idx, budget, best_time, tolerance, times=None):
     """Among plans `idx` whose time is within `tolerance` (relative) of
-    `best_time` and that fit the budget: the one with the least modelled
-    communication, ties by time, then grid order. (plan, time, memory), or
+    `best_time` and that fit the budget: the one with the fewest modelled
+    collective bytes, ties by time, then grid order. (plan, time, memory), or
     Nones if none fits. `times`: the plans' times where the caller has them
     (the exhaustive search's grid), else read from the tables."""
     times = tab.time_at(idx) if times is None else times

@@ -81,8 +81,9 @@ def test_gradient_all_reduces_are_combined_into_one(small_dp):
     plan, n_leaves = small_dp
     ar = plan.cost.all_reduce
     bw, lat = plan.mesh.axis_bandwidth[0], plan.mesh.axis_latency[0]
-    one = ring_time("all-reduce", 4, ar.bytes, bw, lat)             # summed bytes, one latency
-    per_leaf = ring_time("all-reduce", 4, ar.bytes, bw, n_leaves * lat)   # a latency per leaf
+    rdv = plan.mesh.profile.rendezvous
+    one = ring_time("all-reduce", 4, ar.bytes, bw, lat, rdv)          # summed bytes, one latency
+    per_leaf = ring_time("all-reduce", 4, ar.bytes, bw, n_leaves * lat, rdv)   # a latency per leaf
     assert n_leaves > 5 and ar.bytes > 0
     assert ar.count <= 1 + 1e-9
     assert ar.time <= one * (1 + 1e-9)
