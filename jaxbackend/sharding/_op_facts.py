@@ -42,7 +42,7 @@ def latency_shares(g) -> list:
         if s or any(v in feeds for v, _ in op.outs):
             feeds.update(v for v, _ in op.ins)
     depth: dict = {}     # var -> summing ops on the longest chain making it
-    group = []
+    group: list = []   # per op: (multiplicity, depth or None if terminal), None: no sum
     for op, s in zip(g.ops, sums):
         d = max((depth.get(v, 0) for v, _ in op.ins), default=0)
         if s:
