@@ -59,8 +59,10 @@ def kernels() -> list:
                                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
         j = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)))(
             jnp.ones((2, 4, 4, 3)), jnp.ones((3, 3, 3, 3)))
+        fwd = lax.conv_dimension_numbers((1, 1, 1, 1), (1, 1, 1, 1), ("NHWC", "HWIO", "NHWC"))
         return [e.params["dimension_numbers"] for e in j.jaxpr.eqns
-                if e.primitive.name == "conv_general_dilated"]
+                if e.primitive.name == "conv_general_dilated"
+                and e.params["dimension_numbers"] != fwd]   # kernel gradient, input gradient
 
     dn_kernel, dn_input = grads_dn()
     act = jnp.ones((LAYERS, BATCH, SIDE, SIDE, CHANNELS)) * 0.01

@@ -51,12 +51,12 @@ def cpu_profile(memory: float | None = None) -> HardwareProfile:
     """This class of machine: host 'devices' share one memory system, and a
     collective is a rendezvous of their threads, not a ring over wires.
     Latency as measured here (8 host devices on 2 cores, chains of 200
-    dependent 64-byte collectives, `benchmarks/cpu_collectives.py`):
-    all-reduce, all-gather and reduce-scatter alike, ~25 us for a group of
-    2, ~70 us of 4, ~175 us of 8, i.e. ~25 us per other device, whatever
-    the kind (the ring formulas' two passes made an all-reduce look 1.2x
-    dearer than it is and an all-gather 1.6x cheaper; 1 us made a collective
-    look nearly free next to compute)."""
+    dependent collectives on 64-byte shards, `benchmarks/cpu_collectives.py`):
+    all-reduce, all-gather and reduce-scatter alike, 19-32 us for a group of
+    2, 36-67 us of 4, 149-166 us of 8: 12-32 us per other device whatever
+    the kind. The ring formulas' two passes made an all-reduce look twice as
+    dear as an all-gather (and 1 us made a collective look nearly free next
+    to compute)."""
     return HardwareProfile(
         name="cpu", peak_flops=5e10, mem_bandwidth=1e10, memory=memory or 24 * GiB,
         devices_per_node=1 << 20, intra_bandwidth=5e9, intra_latency=2.5e-5,
