@@ -77,7 +77,8 @@ def kernels() -> list:
     }
     rows = []
     for kind, (one, a, b) in cases.items():
-        progs = {"unrolled": lambda a, b, one=one: jnp.stack([one(a[i], b[i]) for i in range(LAYERS)]),
+        progs = {"unrolled": lambda a, b, one=one: jnp.stack([one(a[i], b[i])
+                                                              for i in range(LAYERS)]),
                  "scan": lambda a, b, one=one: lax.scan(lambda c, ab: (c, one(*ab)), 0, (a, b))[1]}
         times = {}
         for name, prog in progs.items():
@@ -201,14 +202,15 @@ def main() -> None:
                      "scan / unrolled, as written", "scan / unrolled, canonical"),
                     [(r[0], ms(r[1]), ms(r[2]), ms(r[3]), ms(r[4]), f"{r[2] / r[1]:.1f}",
                       f"{r[4] / r[3]:.1f}") for r in k])
-            + f"\n\nPart 2, the training step of a residual ConvNet (Flax NNX: {LAYERS} blocks of two "
-            f"conv-BatchNorm pairs, {CHANNELS} channels, batch {BATCH} of {SIDE}x{SIDE}x3, SGD with "
-            "momentum), ms per step (median of 5 after a warm-up):\n\n"
+            + f"\n\nPart 2, the training step of a residual ConvNet (Flax NNX: {LAYERS} blocks "
+            f"of two conv-BatchNorm pairs, {CHANNELS} channels, batch {BATCH} of {SIDE}x{SIDE}x3, "
+            "SGD with momentum), ms per step (median of 5 after a warm-up):\n\n"
             + table(("program", "ms per step", "/ jax.jit"),
                     [(name, ms(t), f"{t / one['jax.jit']:.2f}") for name, t in one.items()])
             + "\n\nOn a (2, 4) mesh of 8 simulated CPU devices:\n\n"
             + table(("plan", "ms per step", "collective bytes / device"),
-                    [("`jb.jit(mesh=)` searched", ms(mesh["searched"]), f"{mesh['searched bytes']:.0f}"),
+                    [("`jb.jit(mesh=)` searched", ms(mesh["searched"]),
+                      f"{mesh['searched bytes']:.0f}"),
                      ("`jax.jit`, data parallel", ms(mesh["data parallel"]),
                       f"{mesh['data parallel bytes']:.0f}")])
             + f"\n\n- searched rules: `{mesh['rules']}`; XLA rematerialization warnings: "

@@ -236,8 +236,8 @@ class Plan:
         if st.get("optimal") is False:
             lines.append(f"search: {st['method']}, NOT proven optimal ({st['why']})")
         elif st.get("time", 0.0) > st.get("least_time", np.inf):
-            lines.append(f"search: the fewest collective bytes within {_search.TOLERANCE:.0%} of the "
-                         f"least modelled time ({st['least_time'] * 1e3:.4g} ms)")
+            lines.append(f"search: the fewest collective bytes within {_search.TOLERANCE:.0%} "
+                         f"of the least modelled time ({st['least_time'] * 1e3:.4g} ms)")
         for where, dim, axes in self.exceptions:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
         return "\n".join(lines)
@@ -266,8 +266,8 @@ class Plan:
             proven = ("proven optimal" if st.get("optimal")
                       else f"NOT proven optimal ({st.get('why')})")
             if st.get("optimal") and st.get("time", 0.0) > st.get("least_time", np.inf):
-                proven += (f" (the fewest collective bytes within {_search.TOLERANCE:.0%} of the least "
-                           f"modelled time, {st['least_time'] * 1e3:.4g} ms)")
+                proven += (f" (the fewest collective bytes within {_search.TOLERANCE:.0%} of "
+                           f"the least modelled time, {st['least_time'] * 1e3:.4g} ms)")
             parts.append(_html.note(f"search: {st.get('method')}, {proven}, over "
                                     f"{st.get('candidates', 0):,} rule sets "
                                     f"in {st.get('seconds', 0.0):.3g} s"))

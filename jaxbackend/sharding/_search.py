@@ -43,24 +43,24 @@ GRID_LIMIT = 1 << 24         # the largest grid the exhaustive search builds
 TABLE_LIMIT = 1 << 26        # table entries, all terms together, the bound search may build
 TIME_LIMIT = 10.0            # seconds before the branch and bound gives way to the heuristic
 # Plans within this fraction of the least modelled time are the model's tie:
-# its roofline compute is good to a few percent (it does not see XLA's
-# fusion and copy decisions), its collectives are what XLA emits to within
-# bytes, and collectives cannot overlap compute or each other here, so among
-# tied plans the search takes the fewest collective bytes (bytes, not
-# modelled seconds: a collective's latency amid compute on simulated CPU
-# devices is the wait for the slowest device thread, far above its latency
-# alone; a data-parallel ResNet step, 41 small all-reduces, tied with a
-# channel-parallel plan moving 22x its bytes that ran 1.2x slower). The trade it guards
-# against is sharding weights to split the (replicated) optimizer update, a
-# small share of the step, for gathers in every layer: the GPT AdamW step on
-# a (2, 4) mesh did it to save 0.2% of modelled compute for 6x data
-# parallel's collective bytes; the LLaMA-style step (swiglu: three MLP
-# weights per layer) to save 1.3% for 2.9x. Measured, the tie is wider: on a
-# GPT step whose weights outweigh its activations (embd 256, batch 16; stacked
-# params), plans modelled 2-4% faster than data parallel ran 0-17% slower in
-# three benchmark runs (BENCHMARKS.md). 5% puts these in the tie; ZeRO-style
-# sharding still wins where memory requires it or saves more (the same
-# model's per-layer step: modelled ~10% faster, measured 9-20% faster).
+# its roofline compute is good to a few percent (it does not see XLA's fusion
+# and copy decisions), its collectives are what XLA emits to within bytes, and
+# collectives cannot overlap compute or each other here, so among tied plans
+# the search takes the fewest collective bytes (bytes, not modelled seconds: a
+# collective's latency amid compute on simulated CPU devices is the wait for
+# the slowest device thread, far above its latency alone; a data-parallel
+# ResNet step, 41 small all-reduces, tied with a channel-parallel plan moving
+# 22x its bytes that ran 1.2x slower). The trade it guards against is sharding
+# weights to split the (replicated) optimizer update, a small share of the
+# step, for gathers in every layer: the GPT AdamW step on a (2, 4) mesh did it
+# to save 0.2% of modelled compute for 6x data parallel's collective bytes;
+# the LLaMA-style step (swiglu: three MLP weights per layer) to save 1.3% for
+# 2.9x. Measured, the tie is wider: on a GPT step whose weights outweigh its
+# activations (embd 256, batch 16; stacked params), plans modelled 2-4% faster
+# than data parallel ran 0-17% slower in three benchmark runs (BENCHMARKS.md).
+# 5% puts these in the tie; ZeRO-style sharding still wins where memory
+# requires it or saves more (the same model's per-layer step: modelled ~10%
+# faster, measured 9-20% faster).
 TOLERANCE = 0.05
 
 

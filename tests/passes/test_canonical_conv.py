@@ -64,7 +64,8 @@ def test_an_integer_convolution_is_exact():
     w = jax.random.randint(jax.random.key(1), (4, 3, 3, 3), -50, 50, jnp.int32)
 
     def f(x, w):
-        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"),
                                         preferred_element_type=jnp.int32)
 
     closed = jax.make_jaxpr(f)(x, w)

@@ -22,7 +22,8 @@ RULES = {"searched": None, "data parallel": {BATCH_DIM: ("data", "model")},
 
 
 def _conv(x, w):
-    return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
 def _norm(h):   # batch norm: the mean and the mean of squares are sibling sums

@@ -138,7 +138,8 @@ CORPUS = [
     *variants("nnx_conv", nnx_conv, _args("conv"),
               expect=Expect(fire=("inline_calls",), checks=_FLAT + (noncanonical_convs,)),
               expect_grad=Expect(fire=("inline_calls", "cse"),
-                                 matches={"canonical_conv": {"convolution made canonical": 3},
-                                          "hoist_broadcast": {"sum sunk past broadcast factors": 1}},
+                                 matches={
+                                     "canonical_conv": {"convolution made canonical": 3},
+                                     "hoist_broadcast": {"sum sunk past broadcast factors": 1}},
                                  checks=_FLAT + (noncanonical_convs,))),
 ]
