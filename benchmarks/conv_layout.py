@@ -33,16 +33,15 @@ sys.path.insert(0, str(ROOT))
 LAYERS, BATCH, SIDE, CHANNELS = 8, 32, 16, 32
 
 
-def _median_call(fn, args, n=5) -> float:
+def _median_call(fn, args) -> float:
+    """Median seconds of 5 calls, after a warm-up call."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+    from benchmarks._report import median_time
+
+    call = lambda: jax.block_until_ready(fn(*args))  # noqa: E731
+    call()
+    return median_time(call, repeat=5)
 
 
 def kernels() -> list:

@@ -25,9 +25,6 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter")
 
 
 def measure() -> dict:
-    import statistics
-    import time
-
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, PartitionSpec as P
@@ -36,6 +33,8 @@ def measure() -> dict:
         from jax import shard_map
     except ImportError:                                 # JAX < 0.7
         from jax.experimental.shard_map import shard_map
+
+    from benchmarks._report import median_time
 
     out = {}
     for shape in ((2, 4), (4, 2), (8,)):
@@ -55,13 +54,9 @@ def measure() -> dict:
             f = jax.jit(shard_map(chain, mesh=mesh, in_specs=P(names), out_specs=P(names)))
             x = jnp.ones((16 * 8,), jnp.float32)       # 64 bytes per device
             c = f.lower(x).compile()
-            jax.block_until_ready(c(x))
-            runs = []
-            for _ in range(5):
-                t = time.perf_counter()
-                jax.block_until_ready(c(x))
-                runs.append((time.perf_counter() - t) / CHAIN)
-            out[f"{kind} {n}"] = statistics.median(runs)
+            call = lambda c=c, x=x: jax.block_until_ready(c(x))  # noqa: E731
+            call()
+            out[f"{kind} {n}"] = median_time(call, repeat=5) / CHAIN
     return out
 
 

@@ -127,16 +127,22 @@ def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:
                    _static_key(static, static_kw))
 
 
+def _nnx_kinds():
+    """(nnx.Pytree, nnx.Variable), or None when Flax NNX is not loaded (then
+    no argument can hold an NNX object)."""
+    nnx = sys.modules.get("flax.nnx")
+    return None if nnx is None else (nnx.Pytree, nnx.Variable)
+
+
 def _nnx_state(tree) -> list:
     """[(where, object, its leaves with paths, its treedef)] for every Flax
     NNX object (module, optimizer, rngs, variable) in the argument tree.
     Flax NNX objects are pytrees, so jax.jit takes them, but a method that
     updates them (optimizer.update, BatchNorm statistics, Rngs counters)
     updates the traced copy only: the caller's object keeps its old state."""
-    nnx = sys.modules.get("flax.nnx")  # no Flax loaded: no NNX objects
-    if nnx is None:
+    kinds = _nnx_kinds()
+    if kinds is None:
         return []
-    kinds = (nnx.Pytree, nnx.Variable)
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kinds))[0]
     return [(("args", "kwargs")[p[0].idx] + jax.tree_util.keystr(p[1:]), x,
              *jax.tree_util.tree_flatten_with_path(x))
@@ -149,9 +155,9 @@ def _check_nnx_unchanged(fn, watched, out) -> None:
     step with dropout returns `nnx.state(model, nnx.RngState)`), which gives
     the caller the new value, as jax.jit would. A bare array returned is not
     taken for the update (the caller's Variable would keep its old value)."""
-    if not watched:
+    kinds = _nnx_kinds()
+    if not watched or kinds is None:
         return
-    kinds = (sys.modules["flax.nnx"].Pytree, sys.modules["flax.nnx"].Variable)
     returned = {id(x) for obj in jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, kinds))
                 if isinstance(obj, kinds) for x in jax.tree.leaves(obj)}
     for where, obj, leaves, tree in watched:

@@ -54,12 +54,17 @@ def canonical_specs(n: int) -> tuple:
     return (0, n - 1) + spatial, (n - 1, n - 2) + tuple(range(n - 2)), (0, n - 1) + spatial
 
 
+def _is_canonical(eqn) -> bool:
+    specs, _ = _jax.conv_dims(eqn)
+    return specs == canonical_specs(len(specs[0]))
+
+
 def _conv_rule(ctx, eqn):
+    params = _jax.eqn_params(eqn)
+    if _is_canonical(eqn) or params.get("out_sharding") is not None:
+        return None
     (lhs, rhs, out), _ = _jax.conv_dims(eqn)
     canon = canonical_specs(len(lhs))
-    params = _jax.eqn_params(eqn)
-    if (lhs, rhs, out) == canon or params.get("out_sharding") is not None:
-        return None
     to_lhs = (lhs[0],) + lhs[2:] + (lhs[1],)          # -> (batch, spatial..., feature)
     to_rhs = rhs[2:] + (rhs[1], rhs[0])                # -> (window..., in, out)
     back = [0] * len(out)                              # canonical result -> eqn's order
@@ -88,5 +93,5 @@ def canonical_conv(closed):
 def remaining(closed) -> int:
     """Convolutions not in the canonical layout (what the pass leaves at 0,
     but for those with an explicit out_sharding)."""
-    return sum(1 for e in _rewrite.iter_eqns(closed) if e.primitive.name == "conv_general_dilated"
-               and _jax.conv_dims(e)[0] != canonical_specs(len(_jax.conv_dims(e)[0][0])))
+    return sum(1 for e in _rewrite.iter_eqns(closed)
+               if e.primitive.name == "conv_general_dilated" and not _is_canonical(e))

@@ -12,9 +12,9 @@ from jax import lax
 import jaxbackend as jb
 from jaxbackend import testing
 from jaxbackend.sharding import _hlo
+from jaxbackend.sharding._ring import KINDS
 
 LAYERS, BATCH, SIDE, CHANNELS = 6, 16, 8, 16
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 BATCH_DIM = "args[1]:0"                          # x's leading axis
 CHANNEL_DIM = "args[0]['blocks'][0][0]:2"        # the first block kernel's input features
 RULES = {"searched": None, "data parallel": {BATCH_DIM: ("data", "model")},
