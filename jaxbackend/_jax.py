@@ -722,10 +722,21 @@ def source_line(eqn) -> str | None:
     """'file.py:123' of the user code that made the equation, or None."""
     import os
 
+    frame = _user_frame(eqn)
+    return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+
+
+def source_file(eqn) -> str | None:
+    """The full path of the file `source_line` names, or None: tells an
+    equation one of jaxbackend's own passes emitted (its file is ours)."""
+    frame = _user_frame(eqn)
+    return None if frame is None else frame.file_name
+
+
+def _user_frame(eqn):
     from jax._src import source_info_util
 
-    frame = source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
-    return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    return source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
 
 
 # --- passes.group_heads: jnp.tile's primitive ------------------------------------

@@ -4,8 +4,10 @@ A plan a user reads names every sharded dim. A dim class that no NamedArray
 and no named einsum labels is named after where it comes from: the first
 program input holding it, by its argument path and axis
 (`args[0]['tok']['embedding']:0`), else the first equation making it, by
-primitive, user source line and axis (`gather@model.py:88:2`). These are
-ordinary rule names: `rules={"args[3]:1": "data"}` shards that dim.
+primitive, user source line and axis (`gather@model.py:88:2`). The layer axis `reroll` stacks per-layer values
+on is `layers` (`layers_1`, ... for further rolled loops), not the line of
+the pass that made it. These are ordinary rule names:
+`rules={"args[3]:1": "data"}` shards that dim.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
         eqn = origin[v]
         for a, c in enumerate(var_classes[v]):
             if c not in composite and class_key[c] not in where:
-                line = _jax.source_line(eqn)
-                where[class_key[c]] = f"{eqn.primitive.name}@{line}:{a}" if line else \
-                    f"{eqn.primitive.name}:{a}"
+                where[class_key[c]] = _origin_name(eqn, a)
     taken = {n for n in key_names if n is not None}
     for k, n in enumerate(key_names):
         if n is None:
@@ -40,3 +40,15 @@ def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
                 name = f"{base}_{j}"
             key_names[k] = name
             taken.add(name)
+
+
+def _origin_name(eqn, axis: int) -> str:
+    """The name of `eqn`'s output axis `axis`, after the equation."""
+    from jaxbackend.passes import _stacks
+
+    if _jax.source_file(eqn) == _stacks.__file__:
+        # a stack reroll made of per-layer values: its leading axis is the layers
+        return "layers" if axis == 0 else f"{eqn.primitive.name}:{axis}"
+    line = _jax.source_line(eqn)
+    return f"{eqn.primitive.name}@{line}:{axis}" if line else f"{eqn.primitive.name}:{axis}"
+

@@ -348,6 +348,30 @@ def test_plan_names_every_dim_after_where_it_comes_from(mesh):
     assert all(n in table for n in plan.rules)
 
 
+def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
+    # reroll stacks per-layer values on a new leading axis (here each layer's
+    # dropout mask, drawn from its own key); a plan, and the error listing a
+    # program's dims, call that axis `layers`, never the line of the pass
+    # that made it ("reshape@_stacks.py:31:0" before)
+    from jaxbackend import passes
+
+    def loss(ws, x, key):
+        for i, w in enumerate(ws):
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, x.shape)
+            x = jnp.tanh(x @ w) * keep
+        return x.sum()
+
+    ws = [jnp.full((16, 16), 0.1) for _ in range(passes.REROLL_MIN_REPEATS + 1)]
+    args = (ws, jnp.ones((8, 16)), jax.random.key(0))
+    f = jb.jit(jax.grad(loss), mesh=mesh)
+    assert "stablehlo.while" in f.lower(*args).as_text(), "the layers should run in a loop"
+    names = set(f.plan.model.g.key_names)
+    assert "layers" in names, sorted(names)
+    assert not [n for n in names if ".py:" in n], sorted(names)
+    with pytest.raises(ValueError, match=r"name no dim of this program.*'layers'"):
+        jb.jit(jax.grad(loss), mesh=mesh, rules={"layer": "data"}).lower(*args)
+
+
 def test_searched_plan_of_a_llama_adamw_step_moves_no_more_bytes_than_data_parallel(mesh):
     """A LLaMA-style step (swiglu: three MLP weights per layer) where sharding
     `mlp` saves ~1.6% of modelled compute (the optimizer update split) for
