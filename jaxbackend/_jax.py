@@ -726,11 +726,12 @@ def source_line(eqn) -> str | None:
     return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"
 
 
-def source_file(eqn) -> str | None:
-    """The full path of the file `source_line` names, or None: tells an
-    equation one of jaxbackend's own passes emitted (its file is ours)."""
+def source_function(eqn) -> tuple[str, str] | None:
+    """(full path, function name) of the frame `source_line` names, or None:
+    tells an equation one of jaxbackend's own passes emitted (its file is
+    ours) and which of its functions did."""
     frame = _user_frame(eqn)
-    return None if frame is None else frame.file_name
+    return None if frame is None else (frame.file_name, frame.function_name)
 
 
 def _user_frame(eqn):

@@ -43,12 +43,23 @@ def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
 
 
 def _origin_name(eqn, axis: int) -> str:
-    """The name of `eqn`'s output axis `axis`, after the equation."""
+    """The name of `eqn`'s output axis `axis`, after the equation. An
+    equation a pass emitted has no user line to show: reroll's stacks of
+    per-layer values lead with the layer axis (`layers`); any other is named
+    by primitive and axis alone."""
+    import os
+
+    from jaxbackend import passes
     from jaxbackend.passes import _stacks
 
-    if _jax.source_file(eqn) == _stacks.__file__:
-        # a stack reroll made of per-layer values: its leading axis is the layers
-        return "layers" if axis == 0 else f"{eqn.primitive.name}:{axis}"
+    where = _jax.source_function(eqn)
+    if where is not None and where[0].startswith(os.path.dirname(passes.__file__) + os.sep):
+        if where[0] == _stacks.__file__ and where[1] in _STACKING and axis == 0:
+            return "layers"
+        return f"{eqn.primitive.name}:{axis}"
     line = _jax.source_line(eqn)
     return f"{eqn.primitive.name}@{line}:{axis}" if line else f"{eqn.primitive.name}:{axis}"
 
+
+# the functions of `passes._stacks` whose results lead with the layer axis
+_STACKING = frozenset({"stack", "stack_new_axis", "hold"})
