@@ -4,9 +4,10 @@ A plan a user reads names every sharded dim. A dim class that no NamedArray
 and no named einsum labels is named after where it comes from: the first
 program input holding it, by its argument path and axis
 (`args[0]['tok']['embedding']:0`), else the first equation making it, by
-primitive, user source line and axis (`gather@model.py:88:2`). The layer axis `reroll` stacks per-layer values
-on is `layers` (`layers_1`, ... for further rolled loops), not the line of
-the pass that made it. These are ordinary rule names:
+primitive, user source line and axis (`gather@model.py:88:2`). A dim one of
+jaxbackend's passes made has no user line: the layer axis `reroll` stacks
+per-layer values on is `layers` (`layers_1`, ... for further rolled loops),
+any other is named by primitive and axis. These are ordinary rule names:
 `rules={"args[3]:1": "data"}` shards that dim.
 """
 

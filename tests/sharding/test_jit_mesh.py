@@ -352,7 +352,7 @@ def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
     # reroll stacks per-layer values on a new leading axis (here each layer's
     # dropout mask, drawn from its own key); a plan, and the error listing a
     # program's dims, call that axis `layers`, never the line of the pass
-    # that made it ("reshape@_stacks.py:31:0" before)
+    # that made it ("stack@_stacks.py:30:0" before)
     from jaxbackend import passes
 
     def loss(ws, x, key):
