@@ -13,7 +13,10 @@ any other is named by primitive and axis. These are ordinary rule names:
 
 from __future__ import annotations
 
-from jaxbackend import _jax
+import os
+
+from jaxbackend import _jax, passes
+from jaxbackend.passes import _stacks
 
 
 def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths, origin):
@@ -48,11 +51,6 @@ def _origin_name(eqn, axis: int) -> str:
     equation a pass emitted has no user line to show: reroll's stacks of
     per-layer values lead with the layer axis (`layers`); any other is named
     by primitive and axis alone."""
-    import os
-
-    from jaxbackend import passes
-    from jaxbackend.passes import _stacks
-
     where = _jax.source_function(eqn)
     if where is not None and where[0].startswith(os.path.dirname(passes.__file__) + os.sep):
         if where[0] == _stacks.__file__ and where[1] in _STACKING and axis == 0:
