@@ -44,6 +44,22 @@ def median_time(fn, *, repeat: int = 5, number: int = 1) -> float:
     return statistics.median(runs)
 
 
+def step_seconds(step, state: tuple, batch: tuple, steps: int) -> float:
+    """Median seconds per training step of `step(*state, *batch)`, whose
+    results begin with the new state, fed back: `steps` timed steps after
+    one warm-up step."""
+    import jax
+
+    n = len(state)
+    state = step(*state, *batch)[:n]
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(step(*state, *batch))[:n]
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def compiled_cost(fn, args, *, repeat: int) -> dict:
     """`fn` (a jit object) compiled for `args`: XLA `cost_analysis()` flops
     and bytes accessed, `fusion(` instructions in the compiled HLO, and the

@@ -74,14 +74,10 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool,
                              scale=lambda: testing.abs_scale(step, *args),
                              what=f"{model} {kind} searched step")
         out["equal"] = True
-    if steps:   # seconds per step: the median of `steps` after one warm-up step
-        state = compiled(params, opt_state, *batch)[:2]
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            state = jax.block_until_ready(compiled(*state, *batch))[:2]
-            times.append(time.perf_counter() - t)
-        out["step_seconds"] = statistics.median(times)
+    if steps:
+        from benchmarks import _report
+
+        out["step_seconds"] = _report.step_seconds(compiled, (params, opt_state), batch, steps)
     return out
 
 

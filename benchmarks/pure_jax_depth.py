@@ -139,13 +139,9 @@ def run_point(kind: str, layers: int, steps: int) -> dict:
     if kind != "hand":
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}
     if steps:
-        state = compiled(params, opt_state, *batch)[:2]
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            state = jax.block_until_ready(compiled(*state, *batch))[:2]
-            times.append(time.perf_counter() - t)
-        out["step_seconds"] = statistics.median(times)
+        from benchmarks import _report
+
+        out["step_seconds"] = _report.step_seconds(compiled, (params, opt_state), batch, steps)
     return out
 
 

@@ -172,14 +172,10 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
     text = compiled.as_text()
     out["collectives"] = sharding.hlo_collectives(text)
     out["memory"] = sharding.hlo_memory(compiled)["total"]
-    if steps:   # seconds per step: the median of `steps` after one warm-up step
-        state = compiled(params, opt_state, x, y)[:2]
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            state = jax.block_until_ready(compiled(*state, x, y))[:2]
-            times.append(time.perf_counter() - t)
-        out["step_seconds"] = statistics.median(times)
+    if steps:
+        from benchmarks import _report
+
+        out["step_seconds"] = _report.step_seconds(compiled, (params, opt_state), (x, y), steps)
     return out
 
 
