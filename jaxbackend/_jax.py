@@ -718,26 +718,14 @@ def einsum_dims(eqn) -> tuple:
 # JAX 0.10: `eqn.source_info.traceback` is the traceback at trace time;
 # `source_info_util.user_frame` skips JAX's own frames. No public accessor.
 
-def source_line(eqn) -> str | None:
-    """'file.py:123' of the user code that made the equation, or None."""
-    import os
-
-    frame = _user_frame(eqn)
-    return None if frame is None else f"{os.path.basename(frame.file_name)}:{frame.start_line}"
-
-
-def source_function(eqn) -> tuple[str, str] | None:
-    """(full path, function name) of the frame `source_line` names, or None:
-    tells an equation one of jaxbackend's own passes emitted (its file is
-    ours) and which of its functions did."""
-    frame = _user_frame(eqn)
-    return None if frame is None else (frame.file_name, frame.function_name)
-
-
-def _user_frame(eqn):
+def source_frame(eqn) -> tuple[str, str, int] | None:
+    """(full path, function name, line) of the user code that made the
+    equation, or None: the path tells an equation one of jaxbackend's own
+    passes emitted."""
     from jax._src import source_info_util
 
-    return source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
+    frame = source_info_util.user_frame(getattr(eqn.source_info, "traceback", None))
+    return None if frame is None else (frame.file_name, frame.function_name, frame.start_line)
 
 
 # --- passes.group_heads: jnp.tile's primitive ------------------------------------

@@ -51,14 +51,14 @@ def _origin_name(eqn, axis: int) -> str:
     equation a pass emitted has no user line to show: reroll's stacks of
     per-layer values lead with the layer axis (`layers`); any other is named
     by primitive and axis alone."""
-    where = _jax.source_function(eqn)
-    if where is not None and where[0].startswith(os.path.dirname(passes.__file__) + os.sep):
-        if where[0] == _stacks.__file__ and where[1] in _STACKING and axis == 0:
-            return "layers"
-        return f"{eqn.primitive.name}:{axis}"
-    line = _jax.source_line(eqn)
-    return f"{eqn.primitive.name}@{line}:{axis}" if line else f"{eqn.primitive.name}:{axis}"
+    where = _jax.source_frame(eqn)
+    if where is not None and not where[0].startswith(_PASSES_DIR):
+        return f"{eqn.primitive.name}@{os.path.basename(where[0])}:{where[2]}:{axis}"
+    if where is not None and where[0] == _stacks.__file__ and where[1] in _STACKING and axis == 0:
+        return "layers"
+    return f"{eqn.primitive.name}:{axis}"
 
 
+_PASSES_DIR = os.path.dirname(passes.__file__) + os.sep
 # the functions of `passes._stacks` whose results lead with the layer axis
 _STACKING = frozenset({"stack", "stack_new_axis", "hold"})
