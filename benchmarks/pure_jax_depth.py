@@ -16,7 +16,9 @@ process on a (2, 4) mesh of 8 simulated CPU devices (median of `--repeat`),
 and the compiled step's per-device collective bytes. `jax.jit` is run up to
 `--hand-max` layers: unrolled, it took 226 s to compile at 32 layers
 (measured once). At 8 layers both plans also run `STEPS` steps (one process
-each): the search minimises step time, not bytes.
+each): the search minimises step time, not bytes; and the plan searched with
+the H100 profile (what a mesh of H100s gets by default) is compiled for its
+collective bytes.
 
 Run: `python benchmarks/pure_jax_depth.py` (`--repeat N`, `--quick`: 2 and
 5 layers, nothing written).
@@ -128,9 +130,9 @@ def run_point(kind: str, layers: int, steps: int) -> dict:
         batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "model"))))
         opt_state = jax.jit(tx.init)(params)
         f = jax.jit(step)
-    else:
+    else:               # "h100": the plan a mesh of H100s gets (its bytes, compiled here)
         opt_state = tx.init(params)
-        f = jb.jit(step, mesh=mesh)
+        f = jb.jit(step, mesh=mesh, profile="h100" if kind == "h100" else None)
     t0 = time.perf_counter()
     compiled = f.lower(params, opt_state, *batch).compile()
     out = {"seconds": time.perf_counter() - t0}
@@ -161,6 +163,8 @@ def measure(depths, hand_max: int, repeat: int, timed_at: int) -> tuple[dict, di
                 if k != "hand" or d <= hand_max:
                     runs.setdefault((k, d), []).append(spawn(k, d))
     steps = {k: spawn(k, timed_at, STEPS) for k in ("searched", "hand")} if timed_at else {}
+    if timed_at:
+        steps["h100"] = spawn("h100", timed_at)
     return runs, steps
 
 
@@ -200,6 +204,11 @@ def render(runs, steps, depths, timed_at: int) -> str:
                      f"{s['step_seconds']:.3f} ({s['mib']:.1f} MiB), data parallel "
                      f"{h['step_seconds']:.3f} ({h['mib']:.1f} MiB): ratio "
                      f"{s['step_seconds'] / h['step_seconds']:.2f}")
+        g = steps["h100"]
+        lines.append(f"- at {timed_at} layers, the plan a mesh of H100s gets (`profile=\"h100\"`, "
+                     f"the default there): {g['mib']:.1f} MiB against data parallel's "
+                     f"{h['mib']:.1f} ({'MET' if g['mib'] <= h['mib'] * 1.001 else 'MISSED'}), "
+                     f"rules {json.dumps(g['rules'], sort_keys=True)}")
     plans = sorted({f"{k}: " + json.dumps(r["rules"], sort_keys=True)
                     for (k, _), rs in runs.items() if k != "hand" for r in rs})
     head = (f"Encoder-decoder transformer in plain JAX (lists of per-layer dicts, AdamW), "

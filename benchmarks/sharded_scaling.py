@@ -20,9 +20,11 @@ order, and reports the median of `--repeat` processes.
 * `plans`: the collective bytes of the compiled HLO (per device, scan
   bodies counted once per trip), per-device memory (measured by XLA against
   the plan's prediction) and the SPMD partitioner's "involuntary full
-  rematerialization" warnings, for the searched plan and five hand rule
-  sets given through `rules=`, at 8 and 32 layers on (8,), (2, 4) and
-  (4, 2) meshes. Target: the searched plan moves no more bytes than the best
+  rematerialization" warnings, for the searched plan (per-layer and
+  stacked params; and, per layer, the plan searched with the H100 profile,
+  which a mesh of H100s gets by default: bytes do not depend on the
+  device) and five hand rule sets given through `rules=`, at 8 and 32
+  layers on (8,), (2, 4) and (4, 2) meshes. Target: the searched plan moves no more bytes than the best
   hand set; no warnings; predicted memory within 20% of measured. Where a
   searched plan moves more bytes, it and the best hand set are also run for
   a few steps: the search minimises modelled step time, and the table says
@@ -75,6 +77,10 @@ HAND_RULES = {
     "levanter": {"batch": "data", "embd": "data", "head": "model", "mlp": "model"},
 }
 WARNING = "Involuntary full rematerialization"
+# The searched rows of the plans table: the plan this machine's profile
+# picks, the same over stacked params, and the plan for a mesh of H100s
+SEARCHED = {"search": "searched", "stacked": "searched, stacked params",
+            "search-h100": "searched, H100 profile"}
 
 
 def for_mesh(rules: dict, axes: tuple, grouped_kv: bool = False) -> dict:
@@ -139,8 +145,12 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         params = jb.stack_layers(params)
     names = ("data", "model")[:len(mesh_shape)]
     mesh = sharding.auto_mesh(mesh_shape, names)
-    rules = (None if rules_name == "search"
+    searched = rules_name in ("search", "search-h100")
+    rules = (None if searched
              else for_mesh(HAND_RULES[rules_name], names, grouped_kv=bool(dims.get("kv_heads"))))
+    # "search-h100": the plan a mesh of H100s gets (`sharding.device_profile`),
+    # compiled here for its HLO: collective bytes do not depend on the devices
+    profile = "h100" if rules_name == "search-h100" else None
     out: dict = {}
     # the AdamW state, before the clock (an eager init is not compile time);
     # the hand column makes it placed like the params, below
@@ -164,7 +174,7 @@ def run_point(kind: str, layers: int, mesh_shape: tuple, rules_name: str, dims: 
         compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
     else:                       # jb.jit(mesh=): searched ("search") or given rules, per-layer
                                 # or stacked params
-        f = jb.jit(step, mesh=mesh, rules=rules)
+        f = jb.jit(step, mesh=mesh, rules=rules, profile=profile)
         compiled = f.lower(params, opt_state, x, y).compile()
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}   # planned by the trace
         out["predicted_memory"] = float(f.plan.cost.memory)
@@ -227,7 +237,7 @@ def plans_table(depths, meshes, dims: dict) -> tuple[list, list, list]:
     for d in depths:
         for mesh in meshes:
             got = {}
-            for name in ("search", "stacked", *HAND_RULES):
+            for name in (*SEARCHED, *HAND_RULES):
                 kind, rules = ("stacked", "search") if name == "stacked" else ("searched", name)
                 r = spawn(kind, d, mesh, rules, dims)
                 c = r["collectives"]
@@ -235,9 +245,9 @@ def plans_table(depths, meshes, dims: dict) -> tuple[list, list, list]:
                 other = sum(v["count"] for k, v in c.items() if k not in ("all-reduce", "all-gather"))
                 pred = r.get("predicted_memory")
                 ratio = f"{pred / r['memory']:.2f}" if pred else "-"
-                label = (("searched: " if name == "search" else "searched, stacked params: ")
-                         + ", ".join(f"{k}->{v}" for k, v in sorted(r["rules"].items()))
-                         if name in ("search", "stacked") else name)
+                label = (f"{SEARCHED[name]}: " + (", ".join(
+                    f"{k}->{v}" for k, v in sorted(r["rules"].items())) or "none (replicated)")
+                         if name in SEARCHED else name)
                 rows.append(f"| {d} | {mesh} | {label} | {total:.1f} | {c['all-reduce']['count']} | "
                             f"{c['all-gather']['count']} | {other} | {r['memory'] / 2 ** 20:.1f} | "
                             f"{ratio} | {r['warnings']} |")
@@ -298,7 +308,7 @@ def verdicts(med, depths, found, timed=()) -> list:
         groups = {}
         for d, mesh, name, total, warn, pred, meas in found:
             groups.setdefault((d, mesh), {})[name] = (total, warn, pred, meas)
-        for who, label in (("search", "searched"), ("stacked", "searched (stacked params)")):
+        for who, label in SEARCHED.items():
             worse = [(k, g[who][0], min(v[0] for n, v in g.items() if n in HAND_RULES))
                      for k, g in groups.items()]
             bad = [w for w in worse if w[1] > w[2] * 1.001]

@@ -245,10 +245,11 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
 
     mesh: a `jax.sharding.Mesh` (AxisType.Auto axes). Each trace plans the
     program: the sharding search under `memory_budget` (bytes per device)
-    and `profile` ("cpu", "h100", "h200" or a HardwareProfile) picks dim-
-    name rules, or `rules=` (a dict or a Plan) gives them; the program runs
-    with the plan's layouts pinned on inputs, outputs and every named
-    contraction, in scan bodies too. `inline` does not run under a mesh
+    and `profile` ("cpu", "h100", "h200" or a HardwareProfile; default: the
+    mesh's devices', `sharding.device_profile`) picks dim-name rules, or
+    `rules=` (a dict or a Plan) gives them; the program runs with the
+    plan's layouts pinned on inputs, outputs and every named contraction,
+    in scan bodies too. `inline` does not run under a mesh
     (`_planned.mesh_passes`).
 
     The result is JAX's jit object, with `.trace_passes(*args)`, `.passes`,

@@ -37,6 +37,7 @@ from jaxbackend.sharding._mesh import (
     abstract_mesh as abstract_mesh,
     auto_mesh as auto_mesh,
     cpu_profile as cpu_profile,
+    device_profile as device_profile,
     h100_profile as h100_profile,
     h200_profile as h200_profile,
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -77,12 +78,43 @@ def h200_profile() -> HardwareProfile:
 
 
 PROFILES = {"cpu": cpu_profile, "h100": h100_profile, "h200": h200_profile}
+# GPU device kinds with a profile, by a word of `jax.Device.device_kind`
+# ("NVIDIA H100 80GB HBM3", "NVIDIA H200"; a GH200 is an H200-class part).
+_GPU_KINDS = (("H200", h200_profile), ("H100", h100_profile))
+
+
+def device_profile(device=None) -> HardwareProfile:
+    """The profile of the machine `device` is part of (default: the default
+    backend's first device, which is where a device-free mesh's program
+    would run): `cpu_profile` for host devices; for a GPU, the profile its
+    device kind names. Any other accelerator gets the H100 profile's speeds
+    under its own kind, with a warning: JAX reports neither flop/s nor link
+    speeds, so `profile=` is the way to give them. Memory is what the
+    device's allocator may use (`memory_stats()["bytes_limit"]`, the share
+    XLA preallocates), where it says; a plan sized to the card's full
+    memory would run out of that."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform == "cpu":
+        return cpu_profile()
+    kind = str(device.device_kind)
+    make = next((f for word, f in _GPU_KINDS if word in kind.upper()), None)
+    if make is not None:
+        profile = make()
+    else:
+        warnings.warn(f"jaxbackend: no hardware profile for {device.platform} device kind "
+                      f"{kind!r}; planning with the H100 profile's flop/s and link speeds. "
+                      f"Pass profile=jaxbackend.sharding.HardwareProfile(...) with this "
+                      f"machine's numbers for plans made for it.", stacklevel=2)
+        profile = dataclasses.replace(h100_profile(), name=f"h100-like ({kind})")
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return dataclasses.replace(profile, memory=float(limit)) if limit else profile
 
 
 class MeshSpec:
     """Axis names, sizes and per-axis links of a device mesh (real or abstract)."""
 
-    def __init__(self, axis_names, axis_sizes, profile: HardwareProfile | str = "cpu", *,
+    def __init__(self, axis_names, axis_sizes, profile: HardwareProfile | str | None = None, *,
                  axis_bandwidth: dict | None = None, axis_latency: dict | None = None,
                  mesh=None):
         self.axis_names = tuple(axis_names)
@@ -90,8 +122,10 @@ class MeshSpec:
         if len(self.axis_names) != len(self.axis_sizes):
             raise ValueError(f"MeshSpec: {len(self.axis_names)} axis names {self.axis_names} but "
                              f"{len(self.axis_sizes)} sizes {self.axis_sizes}; give one size per name.")
-        self.profile = PROFILES[profile]() if isinstance(profile, str) else profile
         self.mesh = mesh  # the jax Mesh, when built from one (needed to compile)
+        if profile is None:   # the mesh's own devices' (`device_profile`)
+            profile = device_profile(None if mesh is None else mesh.devices.flat[0])
+        self.profile = PROFILES[profile]() if isinstance(profile, str) else profile
         bw, lat = self._links()
         for name, d in (("axis_bandwidth", axis_bandwidth), ("axis_latency", axis_latency)):
             for k in d or {}:
@@ -102,8 +136,9 @@ class MeshSpec:
         self._tables()
 
     @classmethod
-    def from_mesh(cls, mesh, profile: HardwareProfile | str = "cpu", **kw) -> "MeshSpec":
-        """From a `jax.sharding.Mesh` or `AbstractMesh` (axes should be AxisType.Auto)."""
+    def from_mesh(cls, mesh, profile: HardwareProfile | str | None = None, **kw) -> "MeshSpec":
+        """From a `jax.sharding.Mesh` or `AbstractMesh` (axes should be
+        AxisType.Auto); `profile` None: `device_profile` of its devices."""
         if isinstance(mesh, MeshSpec):
             return mesh
         names = tuple(mesh.axis_names)

@@ -296,14 +296,15 @@ def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transfor
     """The plan for `fn(*args)` on `mesh`: the given `rules`, or when None the
     least-modelled-time rules under `memory_budget` (bytes per device;
     default the profile's device memory). `profile`: a HardwareProfile or
-    "cpu", "h100", "h200"; `transform`: see `trace`."""
+    "cpu", "h100", "h200"; None: the mesh's devices' (`device_profile`);
+    `transform`: see `trace`."""
     closed, graph, in_tree, out_tree = trace(fn, *args, transform=transform)
     return _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile)
 
 
 def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile,
              donated=()) -> Plan:
-    spec = MeshSpec.from_mesh(mesh, profile or "cpu")
+    spec = MeshSpec.from_mesh(mesh, profile)
     cm = CostModel(graph, spec, donated)
     if rules is not None:
         masks = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)

@@ -110,6 +110,39 @@ def test_mesh_links_and_profiles():
         spec.mask("z")
 
 
+class _Device:
+    """What `device_profile` reads of a jax.Device."""
+
+    def __init__(self, platform, kind, limit=None):
+        self.platform, self.device_kind, self._limit = platform, kind, limit
+
+    def memory_stats(self):
+        return None if self._limit is None else {"bytes_limit": self._limit, "bytes_in_use": 0}
+
+
+def test_default_profile_is_the_mesh_devices_one(mesh24, monkeypatch):
+    # a plan for a GPU mesh made with the CPU's numbers (5e10 flop/s, 24 GiB)
+    # would trade collectives for compute the GPU never spends, and size
+    # memory to the wrong card
+    h100 = sharding.device_profile(_Device("gpu", "NVIDIA H100 80GB HBM3", 60e9))
+    assert (h100.name, h100.peak_flops, h100.memory) == ("h100", 989e12, 60e9)
+    h200 = sharding.device_profile(_Device("gpu", "NVIDIA H200"))
+    assert h200 == sharding.h200_profile()       # no allocator figure: the card's memory
+    with pytest.warns(UserWarning, match="device kind 'NVIDIA A100-SXM4-80GB'.*profile="):
+        other = sharding.device_profile(_Device("gpu", "NVIDIA A100-SXM4-80GB", 70e9))
+    assert other.name == "h100-like (NVIDIA A100-SXM4-80GB)" and other.memory == 70e9
+    assert sharding.device_profile(mesh24.devices.flat[0]) == sharding.cpu_profile()
+    seen = []
+    monkeypatch.setattr(sharding._mesh, "device_profile",
+                        lambda d=None: seen.append(d) or sharding.h100_profile())
+    assert sharding.MeshSpec.from_mesh(mesh24).profile.name == "h100"
+    assert sharding.MeshSpec.from_mesh(sharding.abstract_mesh((2, 4), ("data", "model"))
+                                       ).profile.name == "h100"
+    assert seen == [mesh24.devices.flat[0], None]   # a mesh's own device; else the default's
+    assert sharding.MeshSpec.from_mesh(mesh24, "cpu").profile.name == "cpu"   # given: kept
+    assert seen == [mesh24.devices.flat[0], None]
+
+
 def _same_plan(block, mesh, transform=None):
     named = sharding.plan(block["step"], *block["args"], mesh=mesh)
     plain = sharding.plan(block["jnp_step"], *block["jnp_args"], mesh=mesh, transform=transform)

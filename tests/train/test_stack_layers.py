@@ -35,14 +35,21 @@ def _first_loss_scales(cfg):
     return [abs_scale(loss_fn, params, *b) for b in batches]
 
 
+@pytest.fixture(scope="module")
+def per_layer_run(tmp_path_factory):
+    """The per-layer run both stacked runs are compared with, and the error
+    scales of its first two losses (one of each for the module)."""
+    tmp = tmp_path_factory.mktemp("per_layer")
+    return train(_cfg(tmp, "a"), log=lambda s: None), _first_loss_scales(_cfg(tmp))
+
+
 @pytest.mark.parametrize("devices", [1, 2])
-def test_stacked_training_computes_the_per_layer_runs_losses(tmp_path, devices):
-    per_layer = train(_cfg(tmp_path, "a"), log=lambda s: None)
+def test_stacked_training_computes_the_per_layer_runs_losses(tmp_path, devices, per_layer_run):
+    per_layer, scales = per_layer_run
     stacked = train(_cfg(tmp_path, "b", stack_layers=True, devices=devices), log=lambda s: None)
     params = stacked["params"]["blocks"]
     assert isinstance(params, jb.Stacked) and len(params) == 2
     assert all(a.shape[0] == 2 for a in jax.tree.leaves(params))
-    scales = _first_loss_scales(_cfg(tmp_path))
     first = [jnp.float32(r["history"][i]) for r in (stacked, per_layer) for i in (0, 1)]
     assert_close(first[:2], first[2:], scale=scales,   # float32 losses, as the step computed
                  what="the first two losses (initial parameters)")
