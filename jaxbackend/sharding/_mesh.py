@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 
 import jax
@@ -86,8 +87,8 @@ _GPU_KINDS = (("H200", h200_profile), ("H100", h100_profile))
 def device_profile(device=None) -> HardwareProfile:
     """The profile of the machine `device` is part of (default: the default
     backend's first device, which is where a device-free mesh's program
-    would run): `cpu_profile` for host devices; for a GPU, the profile its
-    device kind names. Any other accelerator gets the H100 profile's speeds
+    would run): `cpu_profile` for host devices, each with its share of the
+    host's memory; for a GPU, the profile its device kind names. Any other accelerator gets the H100 profile's speeds
     under its own kind, with a warning: JAX reports neither flop/s nor link
     speeds, so `profile=` is the way to give them. Memory is what the
     device's allocator may use (`memory_stats()["bytes_limit"]`, the share
@@ -95,7 +96,10 @@ def device_profile(device=None) -> HardwareProfile:
     memory would run out of that."""
     device = jax.devices()[0] if device is None else device
     if device.platform == "cpu":
-        return cpu_profile()
+        # host devices (simulated ones too) share the host's memory: each
+        # may use its share, or all of them together would not fit
+        host = _host_memory()
+        return cpu_profile(host / jax.local_device_count("cpu") if host else None)
     kind = str(device.device_kind)
     make = next((f for word, f in _GPU_KINDS if word in kind.upper()), None)
     if make is not None:
@@ -109,6 +113,22 @@ def device_profile(device=None) -> HardwareProfile:
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     return dataclasses.replace(profile, memory=float(limit)) if limit else profile
+
+
+def _host_memory() -> float | None:
+    """Bytes of memory this process may use: the machine's, or its cgroup's
+    limit where lower (a container); None where the OS does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):    # no sysconf (Windows)
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()                  # "max" where unlimited
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return float(total)
 
 
 class MeshSpec:

@@ -3,6 +3,7 @@
 
 import math
 
+import jax
 import pytest
 
 from jaxbackend import sharding
@@ -121,9 +122,9 @@ class _Device:
 
 
 def test_default_profile_is_the_mesh_devices_one(mesh24, monkeypatch):
-    # a plan for a GPU mesh made with the CPU's numbers (5e10 flop/s, 24 GiB)
-    # would trade collectives for compute the GPU never spends, and size
-    # memory to the wrong card
+    # a plan for a GPU mesh made with the CPU's numbers (5e10 flop/s, the
+    # host's memory) would trade collectives for compute the GPU never
+    # spends, and size memory to the wrong card
     h100 = sharding.device_profile(_Device("gpu", "NVIDIA H100 80GB HBM3", 60e9))
     assert (h100.name, h100.peak_flops, h100.memory) == ("h100", 989e12, 60e9)
     h200 = sharding.device_profile(_Device("gpu", "NVIDIA H200"))
@@ -131,6 +132,11 @@ def test_default_profile_is_the_mesh_devices_one(mesh24, monkeypatch):
     with pytest.warns(UserWarning, match="device kind 'NVIDIA A100-SXM4-80GB'.*profile="):
         other = sharding.device_profile(_Device("gpu", "NVIDIA A100-SXM4-80GB", 70e9))
     assert other.name == "h100-like (NVIDIA A100-SXM4-80GB)" and other.memory == 70e9
+    # host devices share the host's memory: 8 simulated ones get 1/8 each
+    monkeypatch.setattr(sharding._mesh, "_host_memory", lambda: 16 * 2.0 ** 30)
+    cpu = sharding.device_profile(mesh24.devices.flat[0])
+    assert cpu == sharding.cpu_profile(2 * 2.0 ** 30) and jax.local_device_count() == 8
+    monkeypatch.setattr(sharding._mesh, "_host_memory", lambda: None)   # the OS does not say
     assert sharding.device_profile(mesh24.devices.flat[0]) == sharding.cpu_profile()
     seen = []
     monkeypatch.setattr(sharding._mesh, "device_profile",
