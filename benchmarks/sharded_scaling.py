@@ -24,11 +24,12 @@ order, and reports the median of `--repeat` processes.
   stacked params; and, per layer, the plan searched with the H100 profile,
   which a mesh of H100s gets by default: bytes do not depend on the
   device) and five hand rule sets given through `rules=`, at 8 and 32
-  layers on (8,), (2, 4) and (4, 2) meshes. Target: the searched plan moves no more bytes than the best
-  hand set; no warnings; predicted memory within 20% of measured. Where a
-  searched plan moves more bytes, it and the best hand set are also run for
-  a few steps: the search minimises modelled step time, and the table says
-  whether the extra bytes bought time.
+  layers on (8,), (2, 4) and (4, 2) meshes. Target: the searched plan
+  moves no more bytes than the best hand set; no warnings; predicted
+  memory within 20% of measured. Where a searched plan moves more bytes,
+  it and the best hand set are also run for a few steps: the search
+  minimises modelled step time, and the table says whether the extra bytes
+  bought time.
 
 The hand rule sets, in this GPT's dim names (batch, time, embd, head, hd,
 mlp, vocab, pos); a rule names one mesh axis per dim for parameters and

@@ -88,12 +88,12 @@ def device_profile(device=None) -> HardwareProfile:
     """The profile of the machine `device` is part of (default: the default
     backend's first device, which is where a device-free mesh's program
     would run): `cpu_profile` for host devices, each with its share of the
-    host's memory; for a GPU, the profile its device kind names. Any other accelerator gets the H100 profile's speeds
-    under its own kind, with a warning: JAX reports neither flop/s nor link
-    speeds, so `profile=` is the way to give them. Memory is what the
-    device's allocator may use (`memory_stats()["bytes_limit"]`, the share
-    XLA preallocates), where it says; a plan sized to the card's full
-    memory would run out of that."""
+    host's memory; for a GPU, the profile its device kind names. Any other
+    accelerator gets the H100 profile's speeds under its own kind, with a
+    warning: JAX reports neither flop/s nor link speeds, so `profile=` is
+    the way to give them. Memory is what the device's allocator may use
+    (`memory_stats()["bytes_limit"]`, the share XLA preallocates), where it
+    says; a plan sized to the card's full memory would run out of that."""
     device = jax.devices()[0] if device is None else device
     if device.platform == "cpu":
         # host devices (simulated ones too) share the host's memory: each
