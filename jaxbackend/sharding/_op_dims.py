@@ -123,7 +123,9 @@ def _reshape(g, eqn, ins, outs, mult):
     v, out = ins[0], outs[0]
     src, dst = g.shapes[v], g.shapes[out]
     m = [UNMAPPED] * len(src)
-    a_ax = [a for a, n in enumerate(src) if n != 1]
+    # An empty array (a 0 among the sizes) has no element to place: its axes
+    # correspond to nothing, and the products below would never meet.
+    a_ax = [a for a, n in enumerate(src) if n != 1] if 0 not in src else []
     b_ax = [b for b, n in enumerate(dst) if n != 1]
     i = j = 0
     while i < len(a_ax) and j < len(b_ax):

@@ -42,6 +42,9 @@ def tolerance(*dtypes) -> tuple:
 def _array(x):
     if isinstance(x, nx.NamedArray):
         x = x.values
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        # a typed PRNG key (an NNX step's RngState): its bits, compared exactly
+        return jax.random.key_data(x)
     return x if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x)
 
 

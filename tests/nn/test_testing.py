@@ -161,3 +161,8 @@ def test_exact_kinds_and_patterns():
                          {"a": np.ones(2), "b": (np.zeros(()),)}, rtol=0, atol=0)
     with pytest.raises(ValueError, match="scale of shape"):
         testing.assert_close(jnp.ones((2, 3)), jnp.ones((2, 3)), scale=np.ones(2))
+    # typed PRNG keys (an NNX step's RngState) are compared by their bits, exactly
+    key = jax.random.key(0)
+    testing.assert_close({"w": jnp.ones(2), "key": key}, {"w": np.ones(2), "key": key})
+    with pytest.raises(AssertionError, match="integer/bool values differ"):
+        testing.assert_close(jax.random.key(1), key)

@@ -165,3 +165,23 @@ def test_jnp_twin_after_fuse_projections_reaches_the_same_plan(block, mesh24):
     from jaxbackend import passes
     fuse = lambda c: passes.dce(passes.fuse_projections(passes.inline_calls(c)))  # noqa: E731
     _same_plan(block, mesh24, transform=fuse)
+
+
+def test_empty_arrays_are_planned_and_keep_jax_jits_values(mesh24):
+    """Zero-size operands (a reshape of int32[0], an empty concatenate part,
+    a contraction over 0 terms) have no element to place: each rule must map
+    them without assuming sizes that multiply up (a reshape once raised
+    IndexError), and the sharded step must equal jax.jit's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxbackend as jb
+
+    def f(x, e, z):
+        w = jnp.concatenate([x, z], axis=0)                   # (16, 8) ++ (0, 8)
+        empty_dot = jnp.einsum("bk,kd->bd", x[:, :0], z.T[:0, :]).sum()   # k = 0
+        return (w * 2).sum(0) + e.reshape(4, 0).sum() + z.reshape(0, 2, 4).sum() + empty_dot
+
+    args = (jnp.arange(128.0).reshape(16, 8), jnp.zeros((0,), jnp.int32), jnp.zeros((0, 8)))
+    got = jb.jit(f, mesh=mesh24)(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
