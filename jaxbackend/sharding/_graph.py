@@ -119,6 +119,8 @@ class Graph:
     stacked_from: Mapping = dataclasses.field(default_factory=dict)
     # concatenates that are stacks (`_op_dims._unstack_split`): parts on a new axis
     stacks: frozenset = frozenset()
+    # keys of the factors of merged dims the inputs hold (searched: `planned_keys`)
+    factor_keys: frozenset = frozenset()
 
     @property
     def n_classes(self) -> int:
@@ -293,6 +295,12 @@ class Builder:
         # no key of its own; its name is an alias of its major factor's key,
         # so rules may name either (`head -> model` shards kv_head in blocks).
         key_alias = {names[c]: class_key[c] for c in sorted(composite) if c in names}
+        # The factors of a merged dim an input holds (tokens (micro * batch,
+        # time) split into (micro, batch) for gradient accumulation): dims the
+        # plan may shard though no input holds one whole.
+        held = {c for v in invars for c in var_classes[v]}
+        factor_keys = frozenset(class_key[roots[self.find(q)]] for r, parts in self.factors.items()
+                                if self.find(r) == r and roots.get(r) in held for q in parts)
         key_size = [0] * len(key_names)
         for c in range(n_classes):
             if c in composite:
@@ -308,4 +316,4 @@ class Builder:
             var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
-            key_alias=key_alias)
+            key_alias=key_alias, factor_keys=factor_keys)

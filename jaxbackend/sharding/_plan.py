@@ -94,7 +94,7 @@ class Plan:
         g = cm.g
         planned = _search.planned_keys(cm)
         self.rules = {g.key_names[k]: mesh.axes(self.masks[k]) for k in range(cm.n_keys)
-                      if k in planned and g.key_size[k] > 1}
+                      if (k in planned or self.masks[k]) and g.key_size[k] > 1}
         # a merged dim is laid out as its major factor: say so under its own name
         self.rules.update({a: self.rules[g.key_names[k]] for a, k in g.key_alias.items()
                            if g.key_names[k] in self.rules})

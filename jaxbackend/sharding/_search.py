@@ -66,12 +66,15 @@ TOLERANCE = 0.05
 
 def planned_keys(cm) -> set:
     """The keys a plan chooses a layout for: those an input argument holds,
-    and every named dim (a name the program gave, such as the `batch` of
-    tokens a training step draws from its data inside the step). Unnamed
-    intermediate dims stay unsharded (XLA propagates from their neighbours)."""
+    the factors of a merged dim one holds (the per-micro-batch `batch` of a
+    gradient accumulation loop: tokens (micro * batch, time) reshaped to
+    (micro, batch, time)), and every named dim (a name the program gave,
+    such as the `batch` of tokens a training step draws from its data inside
+    the step). Other intermediate dims stay unsharded (XLA propagates from
+    their neighbours)."""
     g = cm.g
     held = {k for v in g.invars for k in cm.var_keys[v]}
-    return held | {g.class_key[c] for c in g.class_names}
+    return held | set(g.factor_keys) | {g.class_key[c] for c in g.class_names}
 
 
 def search_space(cm):
