@@ -77,6 +77,14 @@ def _state(tree):
     return nnx.state(tree) if isinstance(tree, nnx.Module) else tree
 
 
+def _ndim(v) -> int:
+    # by the leaf's shape: under a trace (jb.jit plans on abstract values)
+    # the value may be a ShapeDtypeStruct, which v[...] cannot index
+    leaves = jax.tree.leaves(v)
+    return len(leaves[0].shape) if len(leaves) == 1 and hasattr(leaves[0], "shape") else \
+        jnp.ndim(v[...])
+
+
 def dims_of(v) -> tuple | None:
     """A variable's dim names: our `dims` metadata, else Flax's logical axis
     names (`out_sharding`, set by `nnx.with_partitioning`; None entries are
@@ -86,7 +94,7 @@ def dims_of(v) -> tuple | None:
     dims = v.get_metadata("dims", None)
     if dims is None:
         logical = v.get_metadata("out_sharding", None)
-        if isinstance(logical, (tuple, list)) and len(logical) == jnp.ndim(v[...]) and all(
+        if isinstance(logical, (tuple, list)) and len(logical) == _ndim(v) and all(
                 d is None or isinstance(d, str) for d in logical):
             dims = tuple(logical)
     return None if dims is None else tuple(dims)

@@ -50,9 +50,21 @@ _is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
 
 
 def dims_of(tree) -> list:
-    """Per flat leaf of `tree`: its NamedArray's dims, or None."""
-    return [x.dims if isinstance(x, NamedArray) else None
-            for x in jax.tree.leaves(tree, is_leaf=_is_named)]
+    """Per flat leaf of `tree`: its NamedArray's dims; for the value of a Flax
+    variable (an `nnx.split` state), the names its metadata gives its axes
+    (`nn.param_dims`: our `dims`, or the logical axes of
+    `nnx.with_partitioning`, None for an unnamed axis), so rules name the
+    dims `nn.partition_specs` does; else None."""
+    from jaxbackend.nn import _params   # here: nn imports this package
+
+    def one(x):
+        if isinstance(x, NamedArray):
+            return [x.dims]
+        n = len(jax.tree.leaves(x))
+        return [_params.dims_of(x) if n == 1 else None] + [None] * (n - 1)
+
+    return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))
+            for d in one(x)]
 
 
 def paths_of(tree) -> list:

@@ -41,7 +41,8 @@ def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
         for v, dims in zip(vs, names or ()):
             if dims is not None and v is not None:
                 for a, d in enumerate(dims):
-                    b.label(v, a, d)
+                    if d is not None:           # an axis a Flax variable leaves unnamed
+                        b.label(v, a, d)
     for v in outvars:
         if v is not None:
             b.uses[v] = len(b.ops)

@@ -465,3 +465,48 @@ def test_plain_flax_model_gradient_under_mesh_equals_single_device(mesh):
     assert stats["remat_residuals"].get("residuals recomputed", 0) >= 3
     testing.assert_close(f(*args), jax.jit(vg)(*args), scale=lambda: testing.abs_scale(vg, *args),
                          what="sharded rolled value_and_grad of a plain Flax model")
+
+
+def test_flax_logical_axis_names_are_the_plans_dim_names(mesh):
+    """Params annotated with `nnx.with_partitioning` and split by `nnx.split`
+    (their values inside `nnx.Variable`s): the plan calls their axes by the
+    logical names, so `rules=` takes the names `nn.partition_specs` takes
+    (it once refused them, naming the dims after argument paths)."""
+    import optax
+    from flax import nnx
+
+    from jaxbackend import nn
+
+    up = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    down = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", "embed"))
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 64, kernel_init=up, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(64, 16, kernel_init=down, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return ((x + self.down(jax.nn.gelu(self.up(x)))) ** 2).mean()
+
+    with nnx.use_eager_sharding(False):     # names only: jb.jit places the params
+        model = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x):
+        loss, g = jax.value_and_grad(lambda p: nnx.merge(graphdef, p, copy=True)(x))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), jax.random.normal(jax.random.key(1), (8, 16)))
+    searched = jb.jit(step, mesh=mesh)
+    searched.lower(*args)
+    assert {"embed", "mlp"} <= set(searched.plan.rules), searched.plan.rules
+    rules = {"mlp": "model", "args[2]:0": "data"}
+    f = jb.jit(step, mesh=mesh, rules=rules)
+    got = f(*args)
+    kernel = got[0]["up"]["kernel"]
+    assert kernel.sharding.spec == nn.partition_specs(model, {"mlp": "model"})["up"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    testing.assert_close(got, jax.jit(step)(*args),
+                         scale=lambda: testing.abs_scale(step, *args), what="annotated step")
