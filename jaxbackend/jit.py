@@ -107,7 +107,10 @@ def _split_args(args, kwargs, static_argnums, static_argnames) -> tuple:
 
 
 def _static_key(static, static_kw) -> tuple:
-    return tuple(sorted(static.items())), tuple(sorted(static_kw.items()))
+    # with each value's type, as JAX's own cache keys static arguments: 1,
+    # 1.0 and True are equal (and hash alike) but trace different programs
+    return (tuple(sorted((k, type(v), v) for k, v in static.items())),
+            tuple(sorted((k, type(v), v) for k, v in static_kw.items())))
 
 
 def _trace_flat(fn, args, kwargs, static_argnums, static_argnames) -> _Traced:

@@ -76,6 +76,21 @@ def test_static_argument_sharded_equals_single_device_and_plans_per_value(mesh, 
     assert new["w1"].values.sharding.spec == f.plan.spec_for_dims(("embd", "mlp"))
 
 
+@pytest.mark.parametrize("how", ["argnums", "argnames"])
+def test_equal_static_values_of_other_types_are_planned_apart(mesh, how):
+    # 1 == True == 1.0 (and they hash alike), but they trace different
+    # programs; JAX's cache keys on the type too, and so must the plans'
+    def fn(x, n):
+        return x * 2, jnp.asarray(n)
+
+    x = jnp.ones((8, 4))
+    f = jb.jit(fn, mesh=mesh, **{"static_" + how: (1,) if how == "argnums" else "n"})
+    call = (lambda n: f(x, n)) if how == "argnums" else (lambda n: f(x, n=n))
+    for n in (1, True, 1.0, 1):
+        assert call(n)[1].dtype == jnp.asarray(n).dtype, n
+    assert f.trace_count == 3
+
+
 def test_donated_params_and_state_are_freed_the_rest_kept(mesh):
     args = _args()
     want = _reference(args, 0.1)
