@@ -250,6 +250,45 @@ def test_mesh_with_explicit_axes_is_refused_up_front(types, bad):
         jb.jit(_f, mesh=mesh, rules={})
 
 
+@pytest.mark.parametrize("mesh, what", [("data", "is of type str"), ((2, 4), "is of type tuple"),
+                                        ("abstract", "is an abstract mesh")])
+def test_a_mesh_that_is_not_a_mesh_of_devices_is_refused_up_front(mesh, what):
+    from jaxbackend import sharding
+
+    if mesh == "abstract":
+        mesh = sharding.abstract_mesh((2, 4), ("data", "model"))
+    with pytest.raises(TypeError, match=rf"mesh=.* {what}.*sharding.auto_mesh") as e:
+        jb.jit(_f, mesh=mesh)                                  # before any call
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rules, match", [
+    ({"batch": 0}, r"sharding rule 'batch': 0 is not a mesh axis name"),
+    ({"batch": {"a": 1}}, r"sharding rule 'batch': \{'a': 1\} is not a mesh axis name"),
+    ("batch", r"sharding rules 'batch': give a dict"),
+    ({"batch"}, r"sharding rules \{'batch'\}: give a dict")])
+def test_rules_of_the_wrong_type_are_refused_in_one_line(rules, match):
+    from jaxbackend import sharding
+
+    with pytest.raises(TypeError, match=match) as e:
+        sharding.normalize_rules(rules)
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_mesh_axis_or_profile_is_named_with_the_dim_and_the_choices():
+    from jaxbackend import sharding
+
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    x = jnp.ones((8, 4))
+    with pytest.raises(ValueError, match=r"dim 'args\[0\]:0' is mapped to 'dat', but the mesh "
+                                         r"has no axis 'dat'; its axes are \('data', 'model'\)"):
+        jb.jit(lambda x: x * 2, mesh=mesh, rules={"args[0]:0": "dat"})(x)
+    with pytest.raises(ValueError, match=r"profile='tpu' is not a known machine \(cpu, h100"):
+        jb.jit(lambda x: x * 2, mesh=mesh, profile="tpu")(x)
+    with pytest.raises(TypeError, match=r"profile=3 is of type int; pass a name"):
+        sharding.plan(lambda x: x * 2, x, mesh=mesh, profile=3)
+
+
 # -- 8. Flax NNX state updates are not silently dropped --------------------------------------
 
 def _nnx_setup():

@@ -39,6 +39,9 @@ def normalize(rules) -> dict[str, Axes]:
         rules = rules.rules
     if rules is None:
         return {}
+    if isinstance(rules, (str, bytes, set, frozenset)):
+        raise TypeError(f"sharding rules {rules!r}: give a dict of dim name -> mesh axis (e.g. "
+                        f"{{'batch': 'data'}}) or a sequence of (dim, mesh axis) pairs.")
     if isinstance(rules, Mapping):
         items = list(rules.items())
     else:
@@ -54,6 +57,10 @@ def normalize(rules) -> dict[str, Axes]:
         dim, axis = item
         if isinstance(axis, list):
             axis = tuple(axis)
+        if not (axis is None or isinstance(axis, str)
+                or isinstance(axis, tuple) and all(isinstance(a, str) for a in axis)):
+            raise TypeError(f"sharding rule {dim!r}: {axis!r} is not a mesh axis name, a tuple "
+                            f"of names or None; e.g. {{{dim!r}: 'data'}}.")
         if isinstance(axis, tuple) and len(axis) <= 1:  # () = replicated, ("x",) = "x"
             axis = axis[0] if axis else None
         out[dim] = axis
@@ -85,6 +92,10 @@ def check_size(dim: str, size: int, axes: Axes, axis_sizes: Mapping[str, int],
                where: str = "") -> None:
     """Raise `DimError` unless mesh axes `axes` (sizes from `axis_sizes`)
     divide `size`; `where` ("of parameter ['w']") says whose dim it is."""
+    unknown = [a for a in axes_tuple(axes) if a not in axis_sizes]
+    if unknown:
+        raise ValueError(f"dim {dim!r}{where} is mapped to {axes!r}, but the mesh has no axis "
+                         f"{unknown[0]!r}; its axes are {tuple(axis_sizes)}.")
     k = math.prod(axis_sizes[a] for a in axes_tuple(axes))
     if size % k:
         raise DimError(f"dim {dim!r}{where} has size {size}, not divisible by mesh axes {axes!r} "
@@ -125,6 +136,6 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     masks = [0] * len(g.key_names)
     for k, name in enumerate(g.key_names):
         if name in rules:
-            masks[k] = mesh.mask(rules[name])   # first: an unknown mesh axis is named as such
-            check_size(name, g.key_size[k], rules[name], sizes)
+            check_size(name, g.key_size[k], rules[name], sizes)   # names an unknown mesh axis
+            masks[k] = mesh.mask(rules[name])
     return masks

@@ -145,6 +145,12 @@ class MeshSpec:
         self.mesh = mesh  # the jax Mesh, when built from one (needed to compile)
         if profile is None:   # the mesh's own devices' (`device_profile`)
             profile = device_profile(None if mesh is None else mesh.devices.flat[0])
+        if isinstance(profile, str) and profile not in PROFILES:
+            raise ValueError(f"profile={profile!r} is not a known machine ({', '.join(PROFILES)}); "
+                             f"pass one of those names or a sharding.HardwareProfile(...).")
+        if not isinstance(profile, (str, HardwareProfile)):
+            raise TypeError(f"profile={profile!r} is of type {type(profile).__name__}; pass a name "
+                            f"({', '.join(PROFILES)}) or a sharding.HardwareProfile(...).")
         self.profile = PROFILES[profile]() if isinstance(profile, str) else profile
         bw, lat = self._links()
         for name, d in (("axis_bandwidth", axis_bandwidth), ("axis_latency", axis_latency)):
@@ -196,6 +202,9 @@ class MeshSpec:
         if isinstance(axes, str):
             axes = (axes,)
         m = 0
+        if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+            raise TypeError(f"mesh axes {axes!r}: give a mesh axis name, a tuple of names or None "
+                            f"(the mesh's axes are {self.axis_names}).")
         for a in axes:
             if a not in self.axis_names:
                 raise ValueError(f"mesh has no axis {a!r}; its axes are {self.axis_names}.")
@@ -230,6 +239,12 @@ def check_auto_axes(mesh) -> None:
     """A plan compiles with sharding constraints on its contractions, which
     JAX takes only on Auto mesh axes; `jax.make_mesh` makes Explicit ones by
     default (JAX 0.10), which fail deep inside JAX, so say so up front."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        what = ("an abstract mesh (it has no devices to compile for; plan on it with "
+                "sharding.plan)" if isinstance(mesh, (jax.sharding.AbstractMesh, MeshSpec))
+                else f"of type {type(mesh).__name__}")
+        raise TypeError(f"mesh={mesh!r} is {what}; jb.jit needs a jax.sharding.Mesh of devices: "
+                        f"jaxbackend.sharding.auto_mesh(shape, axis_names).")
     types = tuple(getattr(mesh, "axis_types", ()))
     bad = [n for n, t in zip(mesh.axis_names, types) if t != jax.sharding.AxisType.Auto]
     if bad:

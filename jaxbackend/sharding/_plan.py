@@ -41,6 +41,7 @@ from jaxbackend.named import NamedArray
 from jaxbackend.sharding import _axis_rules, _search, _walk
 from jaxbackend.sharding._cost import KINDS, CostModel
 from jaxbackend.sharding._mesh import MeshSpec
+from jaxbackend.sharding._tables import size_text
 
 _CONSTRAIN = {"einsum", "dot_general"}
 # ops whose route the model chooses as a contraction's (`_op_dims`), pinned
@@ -320,6 +321,12 @@ def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profi
     cm = CostModel(graph, spec, donated)
     if rules is not None:
         masks = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
-        return Plan(spec, cm, masks, closed, in_tree, out_tree)
+        plan = Plan(spec, cm, masks, closed, in_tree, out_tree)
+        if memory_budget is not None and plan.cost.memory > memory_budget:
+            raise _search.NoPlanFits(
+                f"sharding.plan: the given rules need {size_text(plan.cost.memory)} per device, "
+                f"over memory_budget {size_text(memory_budget)}; shard more dims in rules, "
+                f"raise memory_budget, or leave rules=None to search for a plan that fits.")
+        return plan
     masks, stats = _search.search(cm, memory_budget)
     return Plan(spec, cm, masks, closed, in_tree, out_tree, stats)

@@ -119,8 +119,22 @@ def search(cm, memory_budget=None, *, method="auto", time_limit=TIME_LIMIT, tole
         raise ValueError(f"search: method {method!r} is not one of {', '.join(map(repr, methods))}.")
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    budget = cm.mesh.profile.memory if memory_budget is None else float(memory_budget)
+    budget = cm.mesh.profile.memory if memory_budget is None else memory_budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \
+            or not budget > 0:     # NaN too
+        raise ValueError(f"memory_budget={memory_budget!r}: give the bytes per device a plan may "
+                         f"use, a positive number (e.g. 16 * 2**30 for 16 GiB; inf: no limit), or "
+                         f"None for the device's memory.")
+    budget = float(budget)
     keys, options = search_space(cm)
+    if not keys:   # no dim divides the mesh (scalars, odd sizes): the one plan replicates all
+        masks = [0] * cm.n_keys
+        cost = cm.evaluate(masks)
+        if cost.memory > budget:
+            no_plan_fits(cost.memory, budget)
+        return masks, dict(candidates=1, searched_keys=[], method="exhaustive", optimal=True,
+                           rank=0, time=cost.time, least_time=cost.time, memory=cost.memory,
+                           seconds=time.perf_counter() - t0)
     size = math.prod(len(o) for o in options)
     why = None
     if method == "auto":

@@ -208,13 +208,21 @@ def least_comm(tab, idx, budget, best_time, tolerance, times=None):
     return idx[:, pos], float(times[pos]), mem
 
 
+def size_text(n: float) -> str:
+    """Bytes in the largest binary unit that leaves a number >= 1."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def no_plan_fits(least, budget, at_least=False):
     """Raise NoPlanFits: the least memory seen (or a lower bound on it)."""
     raise NoPlanFits(
         f"sharding.plan: no plan fits the memory budget: the smallest plan needs "
-        f"{'at least ' if at_least else ''}{least / GiB:.3f} GiB per device, budget "
-        f"{budget / GiB:.3f} GiB, short by {(least - budget) / GiB:.3f} GiB; raise memory_budget, "
-        f"use more devices, or shrink the batch.")
+        f"{'at least ' if at_least else ''}{size_text(least)} per device, budget "
+        f"{size_text(budget)}, short by {size_text(least - budget)}; raise memory_budget, use "
+        f"more devices, or shrink the batch.")
 
 
 def masks_of(cm, keys, options, idx):

@@ -185,3 +185,27 @@ def test_empty_arrays_are_planned_and_keep_jax_jits_values(mesh24):
     args = (jnp.arange(128.0).reshape(16, 8), jnp.zeros((0,), jnp.int32), jnp.zeros((0, 8)))
     got = jb.jit(f, mesh=mesh24)(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
+
+
+def test_a_program_with_no_dim_to_shard_gets_the_replicated_plan(mesh24):
+    """No dim divides the mesh (odd sizes, scalars, no array input): the
+    search has no key to choose for; the one plan replicates everything (an
+    empty grid once crashed the search)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxbackend as jb
+
+    def mlp(x, w):
+        return jnp.tanh(x @ w)
+
+    args = (jnp.ones((7, 3)), jnp.arange(15.0).reshape(3, 5))
+    plan = sharding.plan(mlp, *args, mesh=mesh24)
+    assert not any(plan.rules.values()) and plan.stats["optimal"], plan.rules
+    f = jb.jit(mlp, mesh=mesh24)
+    np.testing.assert_array_equal(np.asarray(f(*args)), np.asarray(jax.jit(mlp)(*args)))
+    for fn, a in ((lambda s: jnp.arange(8.0) * s, (2.0,)), (lambda x: x * 2, (jnp.ones((1, 1)),))):
+        np.testing.assert_array_equal(np.asarray(jb.jit(fn, mesh=mesh24)(*a)),
+                                      np.asarray(jax.jit(fn)(*a)))
+    with pytest.raises(sharding.NoPlanFits, match="no plan fits the memory budget"):
+        sharding.plan(mlp, *args, mesh=mesh24, memory_budget=8)

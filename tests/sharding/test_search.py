@@ -132,9 +132,12 @@ def test_tight_budget_shards_inputs(block, mesh24):
 
 
 def test_no_plan_fits_says_by_how_much(block, mesh24):
-    with pytest.raises(sharding.NoPlanFits, match=r"needs [\d.]+ GiB per device, budget [\d.]+ GiB, "
-                                                 r"short by [\d.]+ GiB"):
+    with pytest.raises(sharding.NoPlanFits, match=r"needs [\d.]+ (KiB|MiB) per device, budget "
+                                                 r"1000 B, short by [\d.]+ (KiB|MiB)"):
         sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=1000)
+    for bad in ("1GB", -1, float("nan"), 0):
+        with pytest.raises(ValueError, match=r"memory_budget=.*a positive number"):
+            sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=bad)
 
 
 @pytest.mark.parametrize("tolerance", [_search.TOLERANCE, 0.1])
@@ -158,3 +161,10 @@ def test_within_the_tolerance_the_least_communication_wins(small, tolerance):
     assert found.communication <= comm[near].min() * (1 + 1e-9) + 1e-15
     bb, _ = _search.search(cm, method="branch_and_bound", tolerance=tolerance)
     assert bb == masks
+
+
+def test_given_rules_over_the_memory_budget_are_refused(block, mesh24):
+    with pytest.raises(sharding.NoPlanFits, match=r"the given rules need [\d.]+ (KiB|MiB) per "
+                                                 r"device, over memory_budget 1000 B"):
+        sharding.plan(block["step"], *block["args"], mesh=mesh24, rules={"batch": "data"},
+                      memory_budget=1000)
