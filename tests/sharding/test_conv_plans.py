@@ -92,3 +92,26 @@ def test_searched_convnet_plan_moves_no_more_bytes_than_hand_sets(convnet):
              for name, (_, comp) in rows.items()}
     print(f"\n{moved} searched rules {rows['searched'][0].plan.rules}")
     assert moved["searched"] <= min(moved["data parallel"], moved["channel parallel"])
+
+
+@pytest.mark.parametrize("rules", [{"args[1]:0": "data"}, {"args[1]:0": "model"},
+                                   {"args[1]:1": "data"}, None],
+                         ids=["batch-data", "batch-model", "time-data", "searched"])
+def test_depthwise_conv_kernel_gradient_under_a_partial_layout_is_exact(mesh24, rules):
+    """A depthwise conv1d's kernel gradient is a `batch_group_count` conv,
+    which XLA's partitioner multiplies by the size of the mesh axes its
+    operands leave replicated (x4 with the batch on `data` alone, as in a
+    Mamba block's step planned data parallel on `data`); the plan computes
+    it from whole operands there, and the gradient is jax.jit's."""
+    b, t, e, k = 8, 16, 64, 4
+
+    def loss(w, x):
+        y = lax.conv_general_dilated(x, w, (1,), [(k - 1, 0)], feature_group_count=e,
+                                     dimension_numbers=("NWC", "WIO", "NWC"))
+        return jnp.sum(jnp.tanh(y))
+
+    args = (jax.random.normal(jax.random.key(0), (k, 1, e)),
+            jax.random.normal(jax.random.key(1), (b, t, e)))
+    g = jax.grad(loss)
+    testing.assert_close(jb.jit(g, mesh=mesh24, rules=rules)(*args), jax.jit(g)(*args),
+                         scale=lambda: testing.abs_scale(g, *args), what=f"kernel gradient {rules}")
