@@ -12,7 +12,14 @@ result's axes, then the summed ones), and for each operand and result an
 axis map from its axes to iteration dims. Equations it does not know get
 the default rule, which treats them as elementwise on equal-sized aligned
 axes: right for every `lax` elementwise, select, convert, cumulative and
-pad/slice primitive (sliced axes differ in size and stay unmapped).
+pad/slice primitive. An operand axis whose size differs from the result's
+(sliced, split, padded, pooled) must be whole (`REPLICATED`): its shards'
+bounds do not fall on the slices' (an LSTM's gates split from one
+projection, sharded on the gate dim, were modelled free where XLA moved
+them by all-to-all and collective-permutes, and the plan ran 2-3x slower
+than data parallel); a sharded one is charged a full gather, an overcharge
+where XLA exchanges only halos. A result axis of size 1 (one row read,
+`passes._stacks.corner`) leaves its operand's axis free: XLA sends that row.
 Primitive params are read through `jaxbackend._jax` accessors only.
 
 Kinds: `contract` (dot_general, einsum, gather, scatter-add: a summed or
@@ -67,8 +74,8 @@ def _default(g, eqn, ins, outs, mult):
             if n == k:
                 g.union(v, a, out, a)
                 m.append(a)
-            else:
-                m.append(UNMAPPED)
+            else:   # a one-element slice moves at most itself: no requirement
+                m.append(REPLICATED if k != 1 else UNMAPPED)
         maps.append((v, tuple(m)))
     for w in outs[1:]:
         if g.shapes[w] == shape:

@@ -143,3 +143,36 @@ def test_a_reordered_group_is_predicted_as_xla_gathers_it(mesh42):
     hlo = _hlo.collectives(f.lower(p, x).compile().as_text())
     moved = hlo["all-gather"]["bytes"] + hlo["collective-permute"]["bytes"]
     assert f.plan.cost.collective("all-gather").bytes == pytest.approx(moved, rel=0.25)
+
+
+def test_slicing_a_sharded_dim_is_charged_and_the_search_avoids_it():
+    """An LSTM cell splits one projection into its four gates (`jnp.split`
+    on the gate dim). Sharding that dim puts shard bounds off the gates':
+    XLA reshuffles it (all-to-alls, collective-permutes). The model once
+    called the slice free, and the search sharded the gates for a plan
+    that moved more than data parallel and ran 2-3x slower; now the sliced
+    axis must be whole, and the searched plan moves no more than data
+    parallel, as compiled."""
+    import jax
+
+    from jaxbackend.sharding import _hlo
+
+    x = jax.random.normal(jax.random.key(0), (256, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 256)) / 8
+
+    def f(x, w):
+        def cell(h, _):
+            i, fg, g, o = jnp.split(h @ w, 4, -1)
+            return jax.nn.sigmoid(i) * jnp.tanh(g) + jax.nn.sigmoid(fg) * jax.nn.sigmoid(o), None
+        return jnp.sum(jax.lax.scan(cell, x, None, length=8)[0])
+
+    grad = jax.grad(f, argnums=1)
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    gates = jb.jit(grad, mesh=mesh, rules={"args[1]:1": "data", "args[0]:0": "model"})
+    gates.lower(x, w)
+    assert gates.plan.cost.collective("all-gather").bytes > 0
+    moved = {}
+    for name, rules in (("searched", None), ("dp", {"args[0]:0": ("data", "model")})):
+        text = jb.jit(grad, mesh=mesh, rules=rules).lower(x, w).compile().as_text()
+        moved[name] = sum(c["bytes"] for c in _hlo.collectives(text).values())
+    assert moved["searched"] <= moved["dp"], moved
