@@ -263,6 +263,39 @@ def test_gpt_over_stacked_params_under_a_mesh_never_shards_the_layer_axis():
     testing.assert_close(got, want, scale=scale, what="sharded stacked GPT step")
 
 
+def test_stacked_named_layers_keep_their_dim_names_under_a_mesh():
+    """Layers of NamedArrays stack into NamedArrays whose values have the
+    layer axis in front of the named ones: the plan must name the trailing
+    axes (it once named the leading ones, so `hidden` was no dim of the
+    program and `embd` had size 1)."""
+    from jaxbackend import named as nx
+    from jaxbackend import sharding
+
+    ks = jax.random.split(jax.random.key(0), 9)
+    layers = [{"w1": nx.as_named(jax.random.normal(ks[2 * i], (16, 32)) / 4, ("embd", "hidden")),
+               "w2": nx.as_named(jax.random.normal(ks[2 * i + 1], (32, 16)) / 6, ("hidden", "embd"))}
+              for i in range(4)]
+    x = nx.as_named(jax.random.normal(ks[-1], (8, 16)), ("batch", "embd"))
+
+    def loss(layers, x):
+        for w in layers:
+            x = x + nx.dot(nx.relu(nx.dot(x, w["w1"], dim="embd")), w["w2"], dim="hidden")
+        return x.values.sum()
+
+    vg = jax.value_and_grad(loss)
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    stacked = jb.stack_layers(layers)
+    f = jb.jit(vg, mesh=mesh, rules={"batch": "data", "hidden": "model"})
+    got = f(stacked, x)
+    assert f.plan.rules["hidden"] == "model"
+    w1 = [spec for spec, leaf in zip(f.plan.in_specs(), jax.tree.leaves((stacked, x)))
+          if leaf.shape == (4, 16, 32)]
+    assert w1 == [jax.sharding.PartitionSpec(None, None, "model")], w1
+    want = vg(stacked, x)
+    testing.assert_close(got, want, scale=lambda: testing.abs_scale(vg, stacked, x),
+                         what="named stacked layers")
+
+
 def test_stacked_params_round_trip_through_a_checkpoint(tmp_path):
     from jaxbackend import train
 

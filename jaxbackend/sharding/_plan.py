@@ -60,7 +60,10 @@ def dims_of(tree) -> list:
 
     def one(x):
         if isinstance(x, NamedArray):
-            return [x.dims]
+            # in a `jb.stack_layers` Stacked, the values carry a leading layer
+            # axis the per-layer dims do not name: the names are the trailing axes'
+            extra = len(getattr(x.values, "shape", ())) - len(x.dims)
+            return [(None,) * extra + tuple(x.dims) if extra > 0 else x.dims]
         n = len(jax.tree.leaves(x))
         return [_params.dims_of(x) if n == 1 else None] + [None] * (n - 1)
 
