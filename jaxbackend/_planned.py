@@ -83,12 +83,30 @@ class Planner:
         return plan
 
 
+def on_mesh(shardings, mesh):
+    """`shardings` (UNSPECIFIED, or a pytree prefix of shardings,
+    PartitionSpecs and Nones) with each PartitionSpec a NamedSharding on
+    `mesh`."""
+    if shardings is UNSPECIFIED:
+        return shardings
+    spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    return jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, x) if spec(x) else x,
+                        shardings, is_leaf=lambda x: x is None or spec(x))
+
+
 def _check_agrees(arg, what, given, tree, specs, plan) -> None:
     """Each leaf's sharding in `given` (a prefix of `tree`) is the plan's."""
     is_sharding = lambda x: x is None or isinstance(x, (jax.sharding.Sharding,  # noqa: E731
                                                         jax.sharding.PartitionSpec))
-    given = jax.tree.leaves(jax.tree.broadcast(given, tree, is_leaf=is_sharding),
-                            is_leaf=is_sharding)
+    try:
+        given = jax.tree.leaves(jax.tree.broadcast(given, tree, is_leaf=is_sharding),
+                                is_leaf=is_sharding)
+    except ValueError:
+        raise ValueError(
+            f"jb.jit(mesh=...): {arg} has the structure "
+            f"{jax.tree.structure(given, is_leaf=is_sharding)}, which is no prefix of the {what}s' "
+            f"{jax.tree.structure(tree)}; give one sharding, or a tree of them shaped like the "
+            f"{what}s (or drop {arg}: the plan sets it).") from None
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
     shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
     for path, shape, g, spec in zip(paths, shapes, given, specs):

@@ -271,6 +271,10 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
 
         check_auto_axes(mesh)
         passes = _planned.mesh_passes(passes)
+        # a bare PartitionSpec means one on this mesh (jax.jit would want a
+        # mesh context for it)
+        in_shardings, out_shardings = (_planned.on_mesh(s, mesh)
+                                       for s in (in_shardings, out_shardings))
     names = tuple(n for n, _ in _pipeline.resolve(passes))  # fail early on unknown pass names
     static_argnums, static_argnames = _complete_statics(fn, static_argnums, static_argnames)
     label = getattr(fn, "__name__", "fn")

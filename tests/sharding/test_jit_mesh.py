@@ -317,6 +317,15 @@ def test_given_shardings_must_agree_with_the_plan(mesh):
                                          r"P\('model',\), but the plan") as e:
         g(*args, 0.1)
     assert str(e.value).splitlines()[0].endswith("give this layout.")   # one line, then JAX's note
+    # a bare PartitionSpec is one on the mesh, as jax.jit takes it under a mesh context
+    specs = jax.tree.map(lambda s: s.spec, agreeing,
+                         is_leaf=lambda s: isinstance(s, jax.sharding.NamedSharding))
+    f = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), in_shardings=specs)
+    testing.assert_close(f(*args, 0.1), _reference(args, 0.1), what="step with PartitionSpecs")
+    with pytest.raises(ValueError, match=r"out_shardings has the structure .* which is no prefix "
+                                         r"of the outputs'"):
+        jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), out_shardings={"a": None})(
+            *args, 0.1)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     h = jb.jit(step, mesh=mesh, rules=RULES, static_argnums=(4,), out_shardings=replicated)
     with pytest.raises(ValueError, match=r"out_shardings lays out output \[1\]\['w1'\]") as e:
