@@ -121,6 +121,9 @@ class Graph:
     stacks: frozenset = frozenset()
     # keys of the factors of merged dims the inputs hold (searched: `planned_keys`)
     factor_keys: frozenset = frozenset()
+    # key -> the sizes of the axes it names (several where one name is given
+    # to axes of different sizes; its shardable size is then their gcd)
+    key_extents: tuple = ()
 
     @property
     def n_classes(self) -> int:
@@ -240,6 +243,7 @@ class Builder:
         roots: dict = {}
         var_classes = []
         cls_sizes: dict = {}
+        extents: dict = {}    # class -> the sizes its members have (one, unless names clash)
         for v, shape in enumerate(self.shapes):
             cs = []
             for a, n in enumerate(shape):
@@ -248,6 +252,7 @@ class Builder:
                 cs.append(c)
                 if n != 1:
                     cls_sizes[c] = math.gcd(cls_sizes.get(c, 0), n)
+                    extents.setdefault(c, set()).add(n)
             var_classes.append(tuple(cs))
         # A merged dim (reshape) is sharded as its major factor: its class
         # takes the factor's key, and its size does not bound the key's.
@@ -306,6 +311,10 @@ class Builder:
             if c in composite:
                 continue
             key_size[class_key[c]] = math.gcd(key_size[class_key[c]], class_size[c])
+        key_extents: list = [set() for _ in key_names]
+        for c, ns in extents.items():
+            if c not in composite:
+                key_extents[class_key[c]] |= ns
         ops = tuple(op._replace(iclass=tuple(var_classes[v][a] for v, a in op.iclass))
                     for op in self.ops)
         return Graph(
@@ -316,4 +325,5 @@ class Builder:
             var_classes=tuple(var_classes),
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
-            key_alias=key_alias, factor_keys=factor_keys)
+            key_alias=key_alias, factor_keys=factor_keys,
+            key_extents=tuple(tuple(sorted(e)) for e in key_extents))

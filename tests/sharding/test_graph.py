@@ -209,3 +209,23 @@ def test_a_program_with_no_dim_to_shard_gets_the_replicated_plan(mesh24):
                                       np.asarray(jax.jit(fn)(*a)))
     with pytest.raises(sharding.NoPlanFits, match="no plan fits the memory budget"):
         sharding.plan(mlp, *args, mesh=mesh24, memory_budget=8)
+
+
+def test_a_rule_on_a_name_given_to_axes_of_different_sizes_names_the_sizes(mesh24):
+    """Two arguments call axes of sizes 8 and 6 'batch' (never combined, so
+    the named ops allow it): the dim's shardable size is their gcd, 2, and a
+    rule that does not divide it says where the 2 comes from."""
+    import jax.numpy as jnp
+
+    import jaxbackend as jb
+    from jaxbackend import named as nx
+
+    def f(a, b):
+        return a.values.sum() + b.values.sum()
+
+    args = (nx.as_named(jnp.ones((8, 4)), ("batch", "x")),
+            nx.as_named(jnp.ones((6, 4)), ("batch", "x")))
+    with pytest.raises(nx.DimError, match=r"dim 'batch' \(given to axes of sizes 6, 8: a sharding "
+                                          r"must divide each\) has size 2, not divisible by mesh "
+                                          r"axes 'model' of size 4"):
+        jb.jit(f, mesh=mesh24, rules={"batch": "model"})(*args)
