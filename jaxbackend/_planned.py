@@ -136,6 +136,7 @@ def run_planned(plan, leaves) -> list:
             for e, (ins, res) in plan.contraction_specs().items()}
     stacks = plan.stack_eqns()
     entered = _scans_holding(closed.jaxpr, set(cons) | stacks)
+    env = plan.model.g.env
 
     def instead(eqn, invals):
         # a stack of sharded parts: on a new axis (`Plan.stack_eqns`)
@@ -143,7 +144,15 @@ def run_planned(plan, leaves) -> list:
             return [_stacks.stack_new_axis(invals)]
         ins = cons[eqn][0] if eqn in cons else ()
         if any(s is not None for s in ins):     # operands gathered as costed
-            return _jax.bind_eqn(eqn, [x if s is None else wsc(x, s) for x, s in zip(invals, ins)])
+            # from the operand's own layout, pinned first: left to XLA's
+            # propagation, the gathered layout flowed back through a slice
+            # into the contraction before it (a recommender's embedding
+            # gradient), whose pinned layout it could not reach but by
+            # rematerialising the contraction whole
+            own = [env.get(v) if _jax.is_var(v) else None for v in eqn.invars]
+            return _jax.bind_eqn(eqn, [
+                x if s is None else wsc(x if o is None else wsc(x, plan.sharding(plan.spec(o))), s)
+                for x, s, o in zip(invals, ins, own)])
         return None
 
     def hook(eqn, outs):
