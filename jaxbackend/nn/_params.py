@@ -85,19 +85,27 @@ def _ndim(v) -> int:
         jnp.ndim(v[...])
 
 
-def dims_of(v) -> tuple | None:
+def dims_of(v, leading: bool = False) -> tuple | None:
     """A variable's dim names: our `dims` metadata, else Flax's logical axis
     names (`out_sharding`, set by `nnx.with_partitioning`; None entries are
-    unnamed axes), else None."""
+    unnamed axes), else None. `leading`: the value may carry more axes in
+    front than the names name (a `jb.stack_layers` state: the layer axis);
+    those are unnamed (None)."""
     if not _is_var(v):
         return None
     dims = v.get_metadata("dims", None)
+    if dims is not None and not leading:
+        return tuple(dims)
     if dims is None:
         logical = v.get_metadata("out_sharding", None)
-        if isinstance(logical, (tuple, list)) and len(logical) == _ndim(v) and all(
+        if not isinstance(logical, (tuple, list)) or not all(
                 d is None or isinstance(d, str) for d in logical):
-            dims = tuple(logical)
-    return None if dims is None else tuple(dims)
+            return None
+        dims = logical
+    ndim = _ndim(v)
+    if len(dims) == ndim or leading and len(dims) < ndim:
+        return (None,) * (ndim - len(dims)) + tuple(dims)
+    return None
 
 
 def param_dims(tree):

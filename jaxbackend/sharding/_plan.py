@@ -65,7 +65,7 @@ def dims_of(tree) -> list:
             extra = len(getattr(x.values, "shape", ())) - len(x.dims)
             return [(None,) * extra + tuple(x.dims) if extra > 0 else x.dims]
         n = len(jax.tree.leaves(x))
-        return [_params.dims_of(x) if n == 1 else None] + [None] * (n - 1)
+        return [_params.dims_of(x, leading=True) if n == 1 else None] + [None] * (n - 1)
 
     return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))
             for d in one(x)]
