@@ -272,9 +272,11 @@ def test_stacked_named_layers_keep_their_dim_names_under_a_mesh():
     from jaxbackend import sharding
 
     ks = jax.random.split(jax.random.key(0), 9)
-    layers = [{"w1": nx.as_named(jax.random.normal(ks[2 * i], (16, 32)) / 4, ("embd", "hidden")),
-               "w2": nx.as_named(jax.random.normal(ks[2 * i + 1], (32, 16)) / 6, ("hidden", "embd"))}
-              for i in range(4)]
+    def w(k, shape, dims):
+        return nx.as_named(jax.random.normal(k, shape) / shape[0] ** 0.5, dims)
+
+    layers = [{"w1": w(ks[2 * i], (16, 32), ("embd", "hidden")),
+               "w2": w(ks[2 * i + 1], (32, 16), ("hidden", "embd"))} for i in range(4)]
     x = nx.as_named(jax.random.normal(ks[-1], (8, 16)), ("batch", "embd"))
 
     def loss(layers, x):

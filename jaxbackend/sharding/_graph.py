@@ -45,8 +45,10 @@ from typing import Callable, Mapping, NamedTuple
 
 from jaxbackend.sharding import _names
 
-UNMAPPED = -1    # an operand axis with no requirement (size-1 broadcast)
-REPLICATED = -2  # an operand axis that must be unsharded (minor factor of a merge)
+UNMAPPED = -1    # an operand axis with no requirement (size-1 broadcast, a one-row read)
+# an operand axis that must be unsharded (minor factor of a merge, a sliced,
+# padded or concatenated axis, a conv's window): sharded, it is charged a gather
+REPLICATED = -2
 
 
 class Op(NamedTuple):

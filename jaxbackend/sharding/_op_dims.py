@@ -10,17 +10,17 @@ Each rule unifies positions in the builder's union-find and appends one
 `Op`: its iteration dims (one per distinct dim of the computation: the
 result's axes, then the summed ones), and for each operand and result an
 axis map from its axes to iteration dims. Equations it does not know get
-the default rule, which treats them as elementwise on equal-sized aligned
-axes: right for every `lax` elementwise, select, convert, cumulative and
-pad/slice primitive. An operand axis whose size differs from the result's
-(sliced, split, padded, pooled) must be whole (`REPLICATED`): its shards'
-bounds do not fall on the slices' (an LSTM's gates split from one
-projection, sharded on the gate dim, were modelled free where XLA moved
-them by all-to-all and collective-permutes, and the plan ran 2-3x slower
-than data parallel); a sharded one is charged a full gather, an overcharge
-where XLA exchanges only halos. A result axis of size 1 (one row read,
-`passes._stacks.corner`) leaves its operand's axis free: XLA sends that row.
-Primitive params are read through `jaxbackend._jax` accessors only.
+the default rule: elementwise on equal-sized aligned axes (right for `lax`
+elementwise, select and convert; `sort`, `cumsum`, `rev` along a sharded
+axis move data XLA must exchange, not modelled). An operand axis whose size
+differs from the result's (sliced, split, padded, pooled) must be whole
+(`REPLICATED`, charged a full gather: XLA may exchange only halos): shard
+bounds miss the slices' (an LSTM's gates split from one projection sharded
+on the gate dim were modelled free, XLA moved them by all-to-alls and
+permutes, and the plan ran 2-3x slower than data parallel). A slice's
+result axis of size 1 (one row read, `passes._stacks.corner`) leaves the
+operand's axis free: XLA sends that row. Primitive params are read
+through `jaxbackend._jax` accessors only.
 
 Kinds: `contract` (dot_general, einsum, gather, scatter-add: a summed or
 collapsed dim that is sharded leaves partial results that must be reduced),
@@ -35,6 +35,8 @@ import math
 from jaxbackend import _jax
 from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op, register, register_default
 
+# Reads of a part of their operand (a size-1 result axis reads one row of it)
+_READS = frozenset({"slice", "dynamic_slice", "split"})
 # argmax / argmin reduce `axes` like the reductions, to an index.
 _REDUCTIONS = sorted(_jax.REDUCTIONS | {"argmax", "argmin"})
 
@@ -62,6 +64,7 @@ def _default(g, eqn, ins, outs, mult):
         return
     out = outs[0]
     shape = g.shapes[out]
+    read = eqn.primitive.name in _READS
     maps = []
     for v in ins:
         if v is None:
@@ -74,8 +77,8 @@ def _default(g, eqn, ins, outs, mult):
             if n == k:
                 g.union(v, a, out, a)
                 m.append(a)
-            else:   # a one-element slice moves at most itself: no requirement
-                m.append(REPLICATED if k != 1 else UNMAPPED)
+            else:   # a one-row read moves at most that row: no requirement
+                m.append(UNMAPPED if k == 1 and read else REPLICATED)
         maps.append((v, tuple(m)))
     for w in outs[1:]:
         if g.shapes[w] == shape:

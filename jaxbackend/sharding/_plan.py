@@ -189,7 +189,7 @@ class Plan:
                     if r is not None and len(r[0]) == len(e.invars):
                         res = [self.spec(v)] if r[1] is None else [self._spec(r[1]), self.spec(v)]
                         out[e] = ([None if m is None else self._spec(m) for m in r[0]], res)
-                if name == "conv_general_dilated" and e.params["batch_group_count"] > 1:
+                if name == "conv_general_dilated" and _jax.conv_dims(e)[1][1] > 1:
                     self._whole_operands_if_partly_sharded(e, out)
                 stack.extend(_jax.sub_jaxprs(e))
         return out
@@ -201,18 +201,22 @@ class Plan:
         operands leave replicated, when they shard it over the others (the
         batch on `data` of a (2, 4) mesh: 4x the true gradient; the batch on
         both axes, or the groups on `model` and the batch on `data`: exact).
-        Where the operands' layouts use some mesh axes but not all, they are
-        constrained whole, so each device computes the full conv and takes
-        its share of the result: exact, at a gather the model does not
-        charge."""
+        The operands are always pinned, so XLA's propagation cannot pick a
+        partial layout of its own: to their planned layouts where those use
+        every mesh axis or none, else whole, so each device computes the
+        full conv and takes its share of the result: exact, at a gather the
+        model does not charge."""
         env = self.model.g.env
+        if e.outvars[0] not in env:
+            return
         ins = out.get(e, ([None] * len(e.invars), None))[0]
         layouts = [spec if spec is not None else self.spec(env[x]) if x in env else PartitionSpec()
                    for spec, x in zip(ins, e.invars)]
         used = {a for spec in layouts for d in spec if d is not None
                 for a in ((d,) if isinstance(d, str) else d)}
-        if used and used != set(self.mesh.axis_names) and e.outvars[0] in env:
-            out[e] = ([PartitionSpec()] * len(e.invars), [self.spec(env[e.outvars[0]])])
+        if used and used != set(self.mesh.axis_names):
+            layouts = [PartitionSpec()] * len(e.invars)
+        out[e] = (layouts, [self.spec(env[e.outvars[0]])])
 
     def _spec(self, masks) -> PartitionSpec:
         """A layout given as a mesh-axis mask per axis."""
@@ -342,6 +346,8 @@ def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transfor
 
 def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile,
              donated=()) -> Plan:
+    if memory_budget is not None:
+        memory_budget = _search.check_budget(memory_budget)
     spec = MeshSpec.from_mesh(mesh, profile)
     cm = CostModel(graph, spec, donated)
     if rules is not None:

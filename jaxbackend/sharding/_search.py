@@ -102,6 +102,22 @@ def time_grid(cm, keys, options):
     return Tables(cm, keys, options).grid()
 
 
+def check_budget(memory_budget) -> float:
+    """`memory_budget` as a float, or a one-line error: bytes per device, a
+    positive real number (a Python or NumPy number or 0-d array; inf: no
+    limit)."""
+    try:
+        ok = not isinstance(memory_budget, (bool, np.bool_, str, bytes)) and np.ndim(
+            memory_budget) == 0 and float(memory_budget) > 0     # NaN too
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"memory_budget={memory_budget!r}: give the bytes per device a plan may "
+                         f"use, a positive number (e.g. 16 * 2**30 for 16 GiB; inf: no limit), or "
+                         f"None for the device's memory.")
+    return float(memory_budget)
+
+
 def search(cm, memory_budget=None, *, method="auto", time_limit=TIME_LIMIT, tolerance=TOLERANCE):
     """Least-time plan under `memory_budget` (bytes per device; default: the
     profile's device memory), or among the plans within `tolerance` of its
@@ -119,13 +135,7 @@ def search(cm, memory_budget=None, *, method="auto", time_limit=TIME_LIMIT, tole
         raise ValueError(f"search: method {method!r} is not one of {', '.join(map(repr, methods))}.")
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    budget = cm.mesh.profile.memory if memory_budget is None else memory_budget
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \
-            or not budget > 0:     # NaN too
-        raise ValueError(f"memory_budget={memory_budget!r}: give the bytes per device a plan may "
-                         f"use, a positive number (e.g. 16 * 2**30 for 16 GiB; inf: no limit), or "
-                         f"None for the device's memory.")
-    budget = float(budget)
+    budget = cm.mesh.profile.memory if memory_budget is None else check_budget(memory_budget)
     keys, options = search_space(cm)
     if not keys:   # no dim divides the mesh (scalars, odd sizes): the one plan replicates all
         masks = [0] * cm.n_keys

@@ -209,10 +209,11 @@ def least_comm(tab, idx, budget, best_time, tolerance, times=None):
 
 
 def size_text(n: float) -> str:
-    """Bytes in the largest binary unit that leaves a number >= 1."""
-    for unit, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    """Bytes in the largest binary unit that leaves a number >= 1, with
+    three decimals (no exponent)."""
+    for unit, scale in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.3f} {unit}"
     return f"{n:.0f} B"
 
 

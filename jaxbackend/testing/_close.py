@@ -42,8 +42,9 @@ def tolerance(*dtypes) -> tuple:
 def _array(x):
     if isinstance(x, nx.NamedArray):
         x = x.values
-    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    if _is_key(x):
         # a typed PRNG key (an NNX step's RngState): its bits, compared exactly
+        # (`_compare` first requires both sides to be keys of one implementation)
         return jax.random.key_data(x)
     return x if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x)
 
@@ -58,7 +59,20 @@ def _pattern(x):
     return np.where(np.isfinite(x), 0.0, np.nan_to_num(x, nan=2.0, posinf=1.0, neginf=-1.0))
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
 def _compare(actual, expected, rtol, atol, scale, check_dtype, what) -> float:
+    pair = [x.values if isinstance(x, nx.NamedArray) else x for x in (actual, expected)]
+    keys = [_is_key(x) for x in pair]
+    if any(keys) and (not all(keys)
+                      or jax.random.key_impl(pair[0]) != jax.random.key_impl(pair[1])):
+        kinds = [str(jax.random.key_impl(x)) if k else f"{getattr(x, 'dtype', type(x))} data"
+                 for x, k in zip(pair, keys)]
+        raise AssertionError(f"{what}: a PRNG key compared with another kind ({kinds[0]} vs "
+                             f"reference {kinds[1]}); compare keys of one implementation, or "
+                             f"jax.random.key_data of both.")
     a_raw, e_raw = _array(actual), _array(expected)
     a, e = np.asarray(a_raw), np.asarray(e_raw)
     if a.shape != e.shape:

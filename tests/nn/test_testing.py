@@ -166,3 +166,6 @@ def test_exact_kinds_and_patterns():
     testing.assert_close({"w": jnp.ones(2), "key": key}, {"w": np.ones(2), "key": key})
     with pytest.raises(AssertionError, match="integer/bool values differ"):
         testing.assert_close(jax.random.key(1), key)
+    for other in (jax.random.key_data(key), jax.random.key(0, impl="rbg")):
+        with pytest.raises(AssertionError, match="a PRNG key compared with another kind"):
+            testing.assert_close(key, other)

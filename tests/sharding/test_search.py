@@ -135,9 +135,13 @@ def test_no_plan_fits_says_by_how_much(block, mesh24):
     with pytest.raises(sharding.NoPlanFits, match=r"needs [\d.]+ (KiB|MiB) per device, budget "
                                                  r"1000 B, short by [\d.]+ (KiB|MiB)"):
         sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=1000)
-    for bad in ("1GB", -1, float("nan"), 0):
-        with pytest.raises(ValueError, match=r"memory_budget=.*a positive number"):
-            sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=bad)
+    for bad in ("1GB", -1, float("nan"), 0, True):
+        for rules in (None, {"batch": "data"}):
+            with pytest.raises(ValueError, match=r"memory_budget=.*a positive number"):
+                sharding.plan(block["step"], *block["args"], mesh=mesh24, rules=rules,
+                              memory_budget=bad)
+    for fine in (np.int64(2**34), np.array(2.0**34), float("inf")):   # NumPy numbers, no limit
+        sharding.plan(block["step"], *block["args"], mesh=mesh24, memory_budget=fine)
 
 
 @pytest.mark.parametrize("tolerance", [_search.TOLERANCE, 0.1])
