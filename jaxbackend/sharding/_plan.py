@@ -65,7 +65,9 @@ def dims_of(tree) -> list:
             extra = len(getattr(x.values, "shape", ())) - len(x.dims)
             return [(None,) * extra + tuple(x.dims) if extra > 0 else x.dims]
         n = len(jax.tree.leaves(x))
-        return [_params.dims_of(x, leading=True) if n == 1 else None] + [None] * (n - 1)
+        if n != 1:      # not a variable (a plain leaf) holds one; an empty variable none
+            return [None] * n
+        return [_params.dims_of(x, leading=True)]
 
     return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))
             for d in one(x)]
@@ -215,8 +217,9 @@ class Plan:
         used = {a for spec in layouts for d in spec if d is not None
                 for a in ((d,) if isinstance(d, str) else d)}
         if used and used != set(self.mesh.axis_names):
-            layouts = [PartitionSpec()] * len(e.invars)
-        out[e] = (layouts, [self.spec(env[e.outvars[0]])])
+            out[e] = ([PartitionSpec()] * len(e.invars), [self.spec(env[e.outvars[0]])])
+        else:
+            out[e] = (layouts, out[e][1] if e in out else [self.spec(env[e.outvars[0]])])
 
     def _spec(self, masks) -> PartitionSpec:
         """A layout given as a mesh-axis mask per axis."""
