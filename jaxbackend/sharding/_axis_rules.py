@@ -136,7 +136,7 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     masks = [0] * len(g.key_names)
     for k, name in enumerate(g.key_names):
         if name in rules:
-            ext = g.key_extents[k] if k < len(g.key_extents) else ()
+            ext = g.key_extents[k]
             where = (f" (given to axes of sizes {', '.join(map(str, ext))}: a sharding must "
                      f"divide each)" if len(ext) > 1 else "")
             check_size(name, g.key_size[k], rules[name], sizes, where)   # names an unknown axis

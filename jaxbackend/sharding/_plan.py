@@ -214,8 +214,7 @@ class Plan:
         ins = out.get(e, ([None] * len(e.invars), None))[0]
         layouts = [spec if spec is not None else self.spec(env[x]) if x in env else PartitionSpec()
                    for spec, x in zip(ins, e.invars)]
-        used = {a for spec in layouts for d in spec if d is not None
-                for a in ((d,) if isinstance(d, str) else d)}
+        used = {a for spec in layouts for d in spec for a in _axis_rules.axes_tuple(d)}
         if used and used != set(self.mesh.axis_names):
             out[e] = ([PartitionSpec()] * len(e.invars), [self.spec(env[e.outvars[0]])])
         else:
@@ -349,11 +348,11 @@ def plan(fn, *args, mesh, rules=None, memory_budget=None, profile=None, transfor
 
 def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profile,
              donated=()) -> Plan:
-    if memory_budget is not None:
-        memory_budget = _search.check_budget(memory_budget)
     spec = MeshSpec.from_mesh(mesh, profile)
     cm = CostModel(graph, spec, donated)
-    if rules is not None:
+    if rules is not None:   # (the search checks its budget itself)
+        if memory_budget is not None:
+            memory_budget = _search.check_budget(memory_budget)
         masks = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
         plan = Plan(spec, cm, masks, closed, in_tree, out_tree)
         if memory_budget is not None and plan.cost.memory > memory_budget:
