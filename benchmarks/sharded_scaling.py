@@ -108,7 +108,7 @@ MODELS = {   # GPTConfig fields beyond depth and width, per --model (dims["arch"
 
 
 def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str = "gpt",
-           kv_heads: int | None = None, vocab: int | None = None):
+           kv_heads: int | None = None, vocab: int | None = None, dtype: str = "float32"):
     import jax
     import jax.numpy as jnp
     import optax
@@ -120,7 +120,8 @@ def _setup(layers: int, embd: int, heads: int, seq: int, batch: int, arch: str =
     model_kw = dict(MODELS[arch], **({} if vocab is None else {"vocab_size": vocab}))
     cfg = GPTConfig(seq_len=seq, n_layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
                     **model_kw)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    dt = jnp.dtype(dtype)   # parameters, optimizer state and compute (the loss is float32)
+    model = GPT(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     tx = optax.adamw(1e-3)
 
@@ -343,6 +344,8 @@ def main(argv=None) -> int:
     for dim in ("embd", "heads", "kv-heads", "seq", "batch", "vocab"):
         ap.add_argument(f"--{dim}", type=int, help=f"override the model's {dim} (a shape of "
                         "your own: its sections are named after it)")
+    ap.add_argument("--dtype", choices=["bfloat16"], help="parameters, AdamW state and "
+                    "compute in this dtype (default float32; sections of their own)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
@@ -357,8 +360,8 @@ def main(argv=None) -> int:
     dims = dict(embd=128, heads=4, seq=256, batch=64)
     if a.model == "llama":
         dims = dict(embd=128, heads=8, kv_heads=4, seq=256, batch=32, arch="llama")
-    given = {k: getattr(a, k) for k in ("embd", "heads", "kv_heads", "seq", "batch", "vocab")
-             if getattr(a, k) is not None}
+    given = {k: getattr(a, k) for k in ("embd", "heads", "kv_heads", "seq", "batch", "vocab",
+                                        "dtype") if getattr(a, k) is not None}
     dims.update(given)
     depths, plan_depths, meshes = [4, 8, 16, 32], a.plan_layers, [(8,), (2, 4), (4, 2)]
     if a.quick:

@@ -66,8 +66,9 @@ PREFER_IN_PLACE = 0.9
 
 
 class Operand(NamedTuple):
-    """An operand or result of a distinct op: its layout keys, its bytes,
-    and its axis map onto the op's iteration dims."""
+    """An operand or result of a distinct op: its layout keys, its bytes as a
+    collective moves them (`CostModel.held_bytes`), and its axis map onto
+    the op's iteration dims."""
     keys: tuple
     nbytes: int
     amap: tuple
@@ -91,7 +92,7 @@ class GatherGroup(NamedTuple):
     """Variables gathered together: same layout keys, size and consumers
     (`uses`: (distinct op, operand position) pairs)."""
     keys: tuple
-    nbytes: int
+    nbytes: int       # as a collective moves them (`CostModel.held_bytes`)
     uses: tuple
     is_input: bool
     mult: float       # times gathered per step (the least multiplicity of a consumer, summed)
@@ -122,14 +123,15 @@ class CostModel:
         sigs: dict = {}
         consumers: dict = {}   # var -> [(distinct op, operand position)], and its mult
         fused = fused_values(g)
+        held = self.held_bytes
         self.op_sig: list = []   # per op of the graph: its distinct op's index (None: never run)
         for op, share in zip(g.ops, latency_shares(g)):
             if op.mult == 0:
                 self.op_sig.append(None)
                 continue
             sig = Sig(op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
-                      tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.ins),
-                      tuple(Operand(self.var_keys[v], g.nbytes(v), m) for v, m in op.outs),
+                      tuple(Operand(self.var_keys[v], held(v), m) for v, m in op.ins),
+                      tuple(Operand(self.var_keys[v], held(v), m) for v, m in op.outs),
                       op.reduced, op.flops, traffic(g, op, fused), share)
             if sig in sigs:
                 sigs[sig][1] += op.mult
@@ -149,14 +151,22 @@ class CostModel:
         groups: dict = {}
         inputs = set(g.invars)
         for v, (uses, mult) in consumers.items():
-            gk = (self.var_keys[v], self.g.nbytes(v), tuple(sorted(set(uses))), v in inputs)
+            gk = (self.var_keys[v], held(v), tuple(sorted(set(uses))), v in inputs)
             c = groups.setdefault(gk, [0.0, 0])
             c[0] += mult
             c[1] += 1
         self.gather_groups = [GatherGroup(*gk, m, n) for gk, (m, n) in groups.items()]
         given = [v for v, d in zip(g.invars, donated) if d]
-        self.liveness = liveness(g, self.var_keys, given)
+        self.liveness = liveness(g, self.var_keys, given, held)
         self.fixed_groups, self.mem_groups, self.mem_points = self.liveness[:3]
+
+    def held_bytes(self, v) -> int:
+        """Bytes of var `v` as a temporary or in a collective: its own, or
+        float32's for bfloat16 on a profile that holds it so
+        (`HardwareProfile.bf16_held_as_f32`, XLA:CPU). Arguments and results
+        keep their own (`_liveness`)."""
+        widen = self.mesh.profile.bf16_held_as_f32 and v in self.g.bf16
+        return self.g.nbytes(v) * (2 if widen else 1)
 
     # -- layouts ---------------------------------------------------------------
     def layout(self, keys, masks) -> list:

@@ -126,6 +126,9 @@ class Graph:
     # key -> the sizes of the axes it names (several where one name is given
     # to axes of different sizes; its shardable size is then their gcd)
     key_extents: tuple = ()
+    # bfloat16 vars (XLA:CPU holds them as float32 between ops:
+    # `HardwareProfile.bf16_held_as_f32`)
+    bf16: frozenset = frozenset()
 
     @property
     def n_classes(self) -> int:
@@ -133,6 +136,12 @@ class Graph:
 
     def nbytes(self, v) -> int:
         return math.prod(self.shapes[v]) * self.itemsize[v]
+
+
+def is_bf16(dtype) -> bool:
+    """Whether `dtype` is bfloat16 (by name: PRNG keys' extended dtypes and
+    NumPy's alike have one)."""
+    return getattr(dtype, "name", None) == "bfloat16"
 
 
 class Builder:
@@ -158,10 +167,13 @@ class Builder:
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
         self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
         self.stacks: set = set()       # of those, the ones a reshape splits into a stack
+        self.bf16: set = set()         # bfloat16 vars
 
     # -- variables and union-find ---------------------------------------------
-    def add_var(self, shape, itemsize: int) -> int:
+    def add_var(self, shape, itemsize: int, bf16: bool = False) -> int:
         v = len(self.shapes)
+        if bf16:
+            self.bf16.add(v)
         shape = tuple(int(s) for s in shape)
         self.shapes.append(shape)
         self.itemsize.append(itemsize)
@@ -174,7 +186,9 @@ class Builder:
     def var_of(self, aval) -> int:
         """A new variable of the aval's shape and dtype."""
         # `dtype.itemsize`, not np.dtype(...): a PRNG key's extended dtype has one too
-        return self.add_var(aval.shape, aval.dtype.itemsize if hasattr(aval, "dtype") else 4)
+        dtype = getattr(aval, "dtype", None)
+        return self.add_var(aval.shape, 4 if dtype is None else dtype.itemsize,
+                            is_bf16(dtype))
 
     def pos(self, v: int, axis: int) -> int:
         return self.base[v] + axis
@@ -328,4 +342,4 @@ class Builder:
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias, factor_keys=factor_keys,
-            key_extents=tuple(tuple(sorted(e)) for e in key_extents))
+            key_extents=tuple(tuple(sorted(e)) for e in key_extents), bf16=frozenset(self.bf16))

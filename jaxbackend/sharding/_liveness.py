@@ -73,9 +73,12 @@ def fused_values(g) -> set:
     return fused
 
 
-def liveness(g, var_keys, donated=()) -> Liveness:
+def liveness(g, var_keys, donated=(), temp_bytes=None) -> Liveness:
     """The `Liveness` of graph `g` whose variable v has layout keys
-    `var_keys[v]`; `donated`: the graph inputs whose buffers results may reuse."""
+    `var_keys[v]`; `donated`: the graph inputs whose buffers results may
+    reuse; `temp_bytes(v)`: a temporary's bytes (default `g.nbytes`; XLA:CPU
+    holds bfloat16 temporaries as float32: `CostModel.held_bytes`)."""
+    temp_bytes = temp_bytes or g.nbytes
     born = [-1] * len(g.shapes)
     early: set = set()
     for i, op in enumerate(g.ops):
@@ -118,7 +121,7 @@ def liveness(g, var_keys, donated=()) -> Liveness:
                 or v in written_over):
             continue
         end = max(g.uses[v], born[v])
-        gk = (var_keys[v], g.nbytes(v))
+        gk = (var_keys[v], temp_bytes(v))
         j = groups.setdefault(gk, len(groups))
         events.append((born[v], 1, j))
         events.append((end + 1, -1, j))

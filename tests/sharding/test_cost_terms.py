@@ -176,3 +176,45 @@ def test_slicing_a_sharded_dim_is_charged_and_the_search_avoids_it():
         text = jb.jit(grad, mesh=mesh, rules=rules).lower(x, w).compile().as_text()
         moved[name] = sum(c["bytes"] for c in _hlo.collectives(text).values())
     assert moved["searched"] <= moved["dp"], moved
+
+
+@pytest.mark.parametrize("rules", [{"batch": ("data", "model")},
+                                   {"batch": "data", "head": "model", "mlp": "model"}],
+                         ids=["dp", "megatron"])
+def test_bf16_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(rules):
+    """XLA:CPU holds bfloat16 temporaries as float32 and runs collectives
+    on them in float32: the CPU profile counts float32 bytes for both (the
+    arguments and results stay bfloat16); the H100 profile counts
+    bfloat16's. The model used to predict half the collective bytes, and
+    0.62 of the memory."""
+    from flax import nnx
+    import jax
+    import optax
+
+    from jaxbackend import nn
+    from jaxbackend.models import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=32, n_layers=2, embd=64, heads=4, vocab_size=128)
+    model = GPT(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    params, loss_fn = nn.functional(model, "loss")
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x = jax.random.randint(jax.random.key(1), (16, 32), 0, 128)
+    args = (params, tx.init(params), x, jnp.roll(x, -1, axis=1))
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    f = jb.jit(step, mesh=mesh, rules=rules)
+    compiled = f.lower(*args).compile()
+    cost = f.plan.cost
+    modelled = sum(c.bytes for c in (cost.all_reduce, cost.all_gather, cost.reduce_scatter,
+                                     cost.all_to_all))
+    measured = sum(v["bytes"] for v in sharding.hlo_collectives(compiled.as_text()).values())
+    assert modelled == pytest.approx(measured, rel=0.02)
+    assert cost.memory == pytest.approx(sharding.hlo_memory(compiled)["total"], rel=0.2)
+    h100 = sharding.plan(step, *args, mesh=mesh, rules=rules, profile="h100").cost
+    # (all but the float32 loss)
+    assert h100.all_reduce.bytes == pytest.approx(cost.all_reduce.bytes / 2, rel=1e-3)
