@@ -472,6 +472,21 @@ def reduce_axes(eqn) -> tuple:
     return tuple(eqn.params["axes"])
 
 
+# Primitives whose every result entry reads the whole of some axes of the
+# operands, and the param naming them (JAX 0.10; `top_k` took the last axis
+# before its `axis` param existed).
+_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+          "cumlogsumexp": "axis", "top_k": "axis", "sort": "dimension", "rev": "dimensions"}
+ALONG_AXES = frozenset(_ALONG)
+
+
+def along_axes(eqn) -> tuple:
+    """The axes an `ALONG_AXES` equation works along (non-negative)."""
+    rank = len(eqn.invars[0].aval.shape)
+    a = eqn.params.get(_ALONG[eqn.primitive.name], -1)
+    return tuple(x % rank for x in (a if isinstance(a, (tuple, list)) else (a,)))
+
+
 def bind_eqn_as(eqn, invals, dtype):
     """`bind_eqn` on operands of float dtype `dtype` where the equation had
     others: a `preferred_element_type` (dot_general, einsum, conv) becomes

@@ -11,8 +11,10 @@ Each rule unifies positions in the builder's union-find and appends one
 result's axes, then the summed ones), and for each operand and result an
 axis map from its axes to iteration dims. Equations it does not know get
 the default rule: elementwise on equal-sized aligned axes (right for `lax`
-elementwise, select and convert; `sort`, `cumsum`, `rev` along a sharded
-axis move data XLA must exchange, not modelled). An operand axis whose size
+elementwise, select and convert). Cumulative ops, `sort`, `top_k` and `rev`
+are elementwise but along their axis, which each result entry reads whole:
+the operands must hold it whole (`REPLICATED`), so sharding it is charged
+the gather XLA does. An operand axis whose size
 differs from the result's (sliced, split, padded, pooled) must be whole
 (`REPLICATED`, charged a full gather: XLA may exchange only halos): shard
 bounds miss the slices' (an LSTM's gates split from one projection sharded
@@ -85,6 +87,20 @@ def _default(g, eqn, ins, outs, mult):
             for a in range(len(shape)):
                 g.union(w, a, out, a)
     _map_op(g, maps, out, mult)
+
+
+@register(*_jax.ALONG_AXES)
+def _along(g, eqn, ins, outs, mult):
+    """The default rule, with the axes the op works along whole on every
+    operand (module docstring)."""
+    _default(g, eqn, ins, outs, mult)
+    if not outs:
+        return
+    along = set(_jax.along_axes(eqn))
+    op = g.ops[-1]
+    ins_maps = tuple((v, tuple(REPLICATED if a in along else x for a, x in enumerate(m)))
+                     for v, m in op.ins)
+    g.ops[-1] = op._replace(ins=ins_maps)
 
 
 @register("transpose")

@@ -178,6 +178,33 @@ def test_slicing_a_sharded_dim_is_charged_and_the_search_avoids_it():
     assert moved["searched"] <= moved["dp"], moved
 
 
+@pytest.mark.parametrize("op", ["cumsum", "sort", "top_k", "flip"])
+def test_an_op_along_a_sharded_axis_is_charged_no_less_than_xla_moves(op):
+    """cumsum, sort, top_k and rev read the whole axis they work along: XLA
+    moves data when it is sharded (all-gathers for cumsum and top_k, as
+    modelled; an all-to-all for sort and a collective-permute for rev,
+    less than the gather modelled). The model once called them elementwise,
+    free on any layout."""
+    import jax
+
+    from jaxbackend.sharding import _hlo
+
+    along = {"cumsum": lambda h: jnp.cumsum(h, 1), "sort": lambda h: jnp.sort(h, 1),
+             "top_k": lambda h: jax.lax.top_k(h, h.shape[1])[0], "flip": lambda h: h[:, ::-1]}[op]
+
+    def f(x, w):     # rows of x: independent; its columns: the axis `op` works along
+        return jnp.tanh(along(jnp.tanh(x @ w)) @ w.T)
+
+    x = jax.random.normal(jax.random.key(0), (64, 512))
+    w = jax.random.normal(jax.random.key(1), (512, 512)) / 16
+    mesh = sharding.auto_mesh((8,), ("data",))
+    cols = jb.jit(f, mesh=mesh, rules={"args[1]:1": "data"})
+    text = cols.lower(x, w).compile().as_text()
+    modelled = sum(c.bytes for c in (cols.plan.cost.all_gather, cols.plan.cost.all_to_all))
+    moved = sum(c["bytes"] for k, c in _hlo.collectives(text).items() if k != "all-reduce")
+    assert modelled >= moved > 0
+
+
 @pytest.mark.parametrize("rules", [{"batch": ("data", "model")},
                                    {"batch": "data", "head": "model", "mlp": "model"}],
                          ids=["dp", "megatron"])
