@@ -21,10 +21,13 @@ def test_examples_are_numbered_and_short():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs_tiny(path):
+def test_example_runs_tiny(path, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)  # each example sets up its own devices
-    r = subprocess.run([sys.executable, str(path), "--tiny"], cwd=ROOT, env=env,
+    # an example that writes a run writes it here (its default, a new temp
+    # dir, would outlive the test)
+    out = ["--out", str(tmp_path)] if "--out" in path.read_text() else []
+    r = subprocess.run([sys.executable, str(path), "--tiny", *out], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{path.name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), f"{path.name} printed nothing"
