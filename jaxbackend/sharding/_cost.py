@@ -37,7 +37,8 @@ Per op (evaluated once per distinct op, times its multiplicity):
 
 Collectives use the alpha-beta ring formulas (`_ring`, shared with the HLO
 reader) on the group's slowest link, S the full (gathered / unreduced)
-buffer.
+buffer. On a profile that holds bfloat16 as float32 (XLA:CPU), a bfloat16
+value's collectives and temporaries count float32 bytes (`held_bytes`).
 
 Memory per device: arguments + results + the peak over program order of live
 intermediates that XLA materialises (`_liveness` says which, and when) +
