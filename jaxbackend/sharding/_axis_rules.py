@@ -117,11 +117,19 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     dims) applies to its major factor, the key it is laid out by."""
     g = graph
     known = set(g.key_names) | set(g.key_alias)
-    unknown = sorted(set(rules) - known)
+    unknown = sorted(set(rules) - known - set(g.path_alias))
     if unknown:
         raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
                          f"{sorted(known)}; fix the spelling or drop those rules.")
     rules = dict(rules)
+    for alias in [a for a in rules if a in g.path_alias]:   # another input axis of one dim
+        name = g.key_names[g.path_alias[alias]]
+        if name in rules and rules[name] != rules[alias]:
+            raise ValueError(
+                f"rules: {alias!r} and {name!r} are one dim of this program (the program ties "
+                f"those input axes), but the rules give {alias!r} -> {rules[alias]!r} and "
+                f"{name!r} -> {rules[name]!r}; give one of them, or both the same axes.")
+        rules[name] = rules.pop(alias)
     for alias, k in g.key_alias.items():
         if alias in rules:
             major = g.key_names[k]
@@ -137,6 +145,11 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     for k, name in enumerate(g.key_names):
         if name in rules:
             ext = g.key_extents[k]
+            if g.key_size[k] == 1 and len(ext) == 1 and ext[0] > 1 and axes_tuple(rules[name]):
+                raise DimError(
+                    f"dim {name!r} (size {ext[0]}) is the axis a loop runs over (a lax.scan's, "
+                    f"or stacked layers'): its steps run in order on every device, so it cannot "
+                    f"be sharded; map {name!r} to None.")
             where = (f" (given to axes of sizes {', '.join(map(str, ext))}: a sharding must "
                      f"divide each)" if len(ext) > 1 else "")
             check_size(name, g.key_size[k], rules[name], sizes, where)   # names an unknown axis

@@ -129,6 +129,10 @@ class Graph:
     # bfloat16 vars (XLA:CPU holds them as float32 between ops:
     # `HardwareProfile.bf16_held_as_f32`)
     bf16: frozenset = frozenset()
+    # "path:axis" of each input axis -> its key, where the key has another
+    # name (axes the program ties: `w1:1`, `b1:0` and `w2:0` are one dim,
+    # named after the first): a rule may name the dim by any of them
+    path_alias: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def n_classes(self) -> int:
@@ -312,6 +316,9 @@ class Builder:
                             self.origin)
         for c in composite:
             class_key[c] = class_key[major[c]]
+        path_alias = {f"{path}:{a}": class_key[c]
+                      for path, v in zip(in_paths, invars) for a, c in enumerate(var_classes[v])}
+        path_alias = {n: k for n, k in path_alias.items() if key_names[k] != n}
         # A named merged dim (`head`, split by name into (kv_head, group)) has
         # no key of its own; its name is an alias of its major factor's key,
         # so rules may name either (`head -> model` shards kv_head in blocks).
@@ -342,4 +349,5 @@ class Builder:
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias, factor_keys=factor_keys,
-            key_extents=tuple(tuple(sorted(e)) for e in key_extents), bf16=frozenset(self.bf16))
+            key_extents=tuple(tuple(sorted(e)) for e in key_extents), bf16=frozenset(self.bf16),
+            path_alias=path_alias)

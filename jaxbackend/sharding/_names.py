@@ -8,7 +8,8 @@ primitive, user source line and axis (`gather@model.py:88:2`). A dim one of
 jaxbackend's passes made has no user line: the layer axis `reroll` stacks
 per-layer values on is `layers` (`layers_1`, ... for further rolled loops),
 any other is named by primitive and axis. These are ordinary rule names:
-`rules={"args[3]:1": "data"}` shards that dim.
+`rules={"args[3]:1": "data"}` shards that dim, as does a rule naming any
+other input axis of it (`Graph.path_alias`).
 """
 
 from __future__ import annotations

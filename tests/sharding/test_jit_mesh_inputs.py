@@ -1,6 +1,7 @@
 """jb.jit(mesh=) on the arguments users give it: static values of other
 types, a batch split into micro-batches inside the step, Flax variables
-with logical axis names (and stacked by jb.stack_layers)."""
+with logical axis names (and stacked by jb.stack_layers), rules naming a
+dim by any input axis holding it, and one naming a scan's axis."""
 
 import jax
 import jax.numpy as jnp
@@ -128,3 +129,34 @@ def test_flax_logical_axis_names_are_the_plans_dim_names(mesh):
         layers = [nnx.split(MLP(nnx.Rngs(i)), nnx.Param)[1] for i in range(3)]
     assert set(_plan.dims_of(jb.stack_layers(layers))) == {(None, "embed", "mlp"),
                                                            (None, "mlp", "embed")}
+
+
+def test_a_rule_may_name_a_dim_by_any_input_axis_that_holds_it(mesh):
+    # w1's columns, b1 and w2's rows are one dim (the program ties them),
+    # named after the first of them: a rule naming another is that dim
+    p = {"w1": jnp.ones((32, 64)) / 32, "b1": jnp.zeros((64,)), "w2": jnp.ones((64, 32)) / 64}
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+
+    def loss(p, x):
+        return jnp.mean(jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"])
+
+    planned = {}
+    for spelling in ("args[0]['b1']:0", "args[0]['w1']:1", "args[0]['w2']:0"):
+        f = jb.jit(loss, mesh=mesh, rules={spelling: "model", "args[1]:0": "data"})
+        testing.assert_close(f(p, x), loss(p, x), scale=lambda: testing.abs_scale(loss, p, x))
+        planned[spelling] = {k: v for k, v in f.plan.rules.items() if v}
+    assert all(r == {"args[0]['b1']:0": "model", "args[1]:0": "data"} for r in planned.values())
+    with pytest.raises(ValueError, match=r"\"args\[0\]\['w1'\]:1\" and \"args\[0\]\['b1'\]:0\" "
+                                         r"are one dim of this program"):
+        jb.jit(loss, mesh=mesh, rules={"args[0]['w1']:1": "model",
+                                       "args[0]['b1']:0": "data"}).lower(p, x)
+
+
+def test_a_rule_sharding_the_axis_a_scan_runs_over_says_so(mesh):
+    def f(w, xs):     # time-major: the scan runs over xs's leading axis
+        return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((8, 16)), xs)[0]
+
+    args = (jnp.ones((16, 16)) / 16, jnp.ones((32, 8, 16)))
+    with pytest.raises(ValueError, match=r"dim 'args\[1\]:0' \(size 32\) is the axis a loop runs "
+                                         r"over.*map 'args\[1\]:0' to None"):
+        jb.jit(f, mesh=mesh, rules={"args[1]:0": "model"}).lower(*args)
