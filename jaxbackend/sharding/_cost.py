@@ -37,8 +37,9 @@ Per op (evaluated once per distinct op, times its multiplicity):
 
 Collectives use the alpha-beta ring formulas (`_ring`, shared with the HLO
 reader) on the group's slowest link, S the full (gathered / unreduced)
-buffer. On a profile that holds bfloat16 as float32 (XLA:CPU), a bfloat16
-value's collectives and temporaries count float32 bytes (`held_bytes`).
+buffer. On a profile that holds 16-bit floats as float32 (XLA:CPU), their
+temporaries count float32 bytes (`held_bytes`), and so do bfloat16
+collectives (`wire_bytes`).
 
 Memory per device: arguments + results + the peak over program order of live
 intermediates that XLA materialises (`_liveness` says which, and when) +
@@ -68,7 +69,7 @@ PREFER_IN_PLACE = 0.9
 
 class Operand(NamedTuple):
     """An operand or result of a distinct op: its layout keys, its bytes as a
-    collective moves them (`CostModel.held_bytes`), and its axis map onto
+    collective moves them (`CostModel.wire_bytes`), and its axis map onto
     the op's iteration dims."""
     keys: tuple
     nbytes: int
@@ -93,7 +94,7 @@ class GatherGroup(NamedTuple):
     """Variables gathered together: same layout keys, size and consumers
     (`uses`: (distinct op, operand position) pairs)."""
     keys: tuple
-    nbytes: int       # as a collective moves them (`CostModel.held_bytes`)
+    nbytes: int       # as a collective moves them (`CostModel.wire_bytes`)
     uses: tuple
     is_input: bool
     mult: float       # times gathered per step (the least multiplicity of a consumer, summed)
@@ -124,15 +125,15 @@ class CostModel:
         sigs: dict = {}
         consumers: dict = {}   # var -> [(distinct op, operand position)], and its mult
         fused = fused_values(g)
-        held = self.held_bytes
+        held, wire = self.held_bytes, self.wire_bytes
         self.op_sig: list = []   # per op of the graph: its distinct op's index (None: never run)
         for op, share in zip(g.ops, latency_shares(g)):
             if op.mult == 0:
                 self.op_sig.append(None)
                 continue
             sig = Sig(op.kind, op.isizes, tuple(g.class_key[c] for c in op.iclass),
-                      tuple(Operand(self.var_keys[v], held(v), m) for v, m in op.ins),
-                      tuple(Operand(self.var_keys[v], held(v), m) for v, m in op.outs),
+                      tuple(Operand(self.var_keys[v], wire(v), m) for v, m in op.ins),
+                      tuple(Operand(self.var_keys[v], wire(v), m) for v, m in op.outs),
                       op.reduced, op.flops, traffic(g, op, fused), share)
             if sig in sigs:
                 sigs[sig][1] += op.mult
@@ -152,7 +153,7 @@ class CostModel:
         groups: dict = {}
         inputs = set(g.invars)
         for v, (uses, mult) in consumers.items():
-            gk = (self.var_keys[v], held(v), tuple(sorted(set(uses))), v in inputs)
+            gk = (self.var_keys[v], wire(v), tuple(sorted(set(uses))), v in inputs)
             c = groups.setdefault(gk, [0.0, 0])
             c[0] += mult
             c[1] += 1
@@ -162,11 +163,20 @@ class CostModel:
         self.fixed_groups, self.mem_groups, self.mem_points = self.liveness[:3]
 
     def held_bytes(self, v) -> int:
-        """Bytes of var `v` as a temporary or in a collective: its own, or
-        float32's for bfloat16 on a profile that holds it so
-        (`HardwareProfile.bf16_held_as_f32`, XLA:CPU). Arguments and results
-        keep their own (`_liveness`)."""
-        widen = self.mesh.profile.bf16_held_as_f32 and v in self.g.bf16
+        """Bytes of var `v` as a temporary: its own, or float32's for a
+        16-bit float on a profile that holds those so
+        (`HardwareProfile.half_held_as_f32`, XLA:CPU). A loop's state and
+        stacked results keep their own (a `while` carries its declared
+        types), as do arguments and results (`_liveness`)."""
+        g = self.g
+        widen = (self.mesh.profile.half_held_as_f32 and v in g.half
+                 and v not in g.loop_state and v not in g.pinned)
+        return g.nbytes(v) * (2 if widen else 1)
+
+    def wire_bytes(self, v) -> int:
+        """Bytes of var `v` in a collective: its own, or float32's for
+        bfloat16 on such a profile (XLA:CPU: not for float16)."""
+        widen = self.mesh.profile.half_held_as_f32 and v in self.g.bf16
         return self.g.nbytes(v) * (2 if widen else 1)
 
     # -- layouts ---------------------------------------------------------------

@@ -126,8 +126,9 @@ class Graph:
     # key -> the sizes of the axes it names (several where one name is given
     # to axes of different sizes; its shardable size is then their gcd)
     key_extents: tuple = ()
-    # bfloat16 vars (XLA:CPU holds them as float32 between ops:
-    # `HardwareProfile.bf16_held_as_f32`)
+    # 16-bit float vars, and of them the bfloat16 ones (XLA:CPU holds them
+    # as float32 between ops: `HardwareProfile.half_held_as_f32`)
+    half: frozenset = frozenset()
     bf16: frozenset = frozenset()
     # "path:axis" of each input axis -> its key, where the key has another
     # name (axes the program ties: `w1:1`, `b1:0` and `w2:0` are one dim,
@@ -142,10 +143,11 @@ class Graph:
         return math.prod(self.shapes[v]) * self.itemsize[v]
 
 
-def is_bf16(dtype) -> bool:
-    """Whether `dtype` is bfloat16 (by name: PRNG keys' extended dtypes and
-    NumPy's alike have one)."""
-    return getattr(dtype, "name", None) == "bfloat16"
+def half_name(dtype):
+    """"bfloat16" or "float16" for those dtypes, else None (by name: PRNG
+    keys' extended dtypes and NumPy's alike have one)."""
+    name = getattr(dtype, "name", None)
+    return name if name in ("bfloat16", "float16") else None
 
 
 class Builder:
@@ -171,13 +173,13 @@ class Builder:
         self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
         self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
         self.stacks: set = set()       # of those, the ones a reshape splits into a stack
-        self.bf16: set = set()         # bfloat16 vars
+        self.half: dict = {}           # 16-bit float var -> "bfloat16" | "float16"
 
     # -- variables and union-find ---------------------------------------------
-    def add_var(self, shape, itemsize: int, bf16: bool = False) -> int:
+    def add_var(self, shape, itemsize: int, half: str | None = None) -> int:
         v = len(self.shapes)
-        if bf16:
-            self.bf16.add(v)
+        if half:
+            self.half[v] = half
         shape = tuple(int(s) for s in shape)
         self.shapes.append(shape)
         self.itemsize.append(itemsize)
@@ -192,7 +194,7 @@ class Builder:
         # `dtype.itemsize`, not np.dtype(...): a PRNG key's extended dtype has one too
         dtype = getattr(aval, "dtype", None)
         return self.add_var(aval.shape, 4 if dtype is None else dtype.itemsize,
-                            is_bf16(dtype))
+                            half_name(dtype))
 
     def pos(self, v: int, axis: int) -> int:
         return self.base[v] + axis
@@ -349,5 +351,6 @@ class Builder:
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias, factor_keys=factor_keys,
-            key_extents=tuple(tuple(sorted(e)) for e in key_extents), bf16=frozenset(self.bf16),
+            key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=frozenset(self.half),
+            bf16=frozenset(v for v, n in self.half.items() if n == "bfloat16"),
             path_alias=path_alias)

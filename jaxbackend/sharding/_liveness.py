@@ -77,7 +77,7 @@ def liveness(g, var_keys, donated=(), temp_bytes=None) -> Liveness:
     """The `Liveness` of graph `g` whose variable v has layout keys
     `var_keys[v]`; `donated`: the graph inputs whose buffers results may
     reuse; `temp_bytes(v)`: a temporary's bytes (default `g.nbytes`; XLA:CPU
-    holds bfloat16 temporaries as float32: `CostModel.held_bytes`)."""
+    holds 16-bit float temporaries as float32: `CostModel.held_bytes`)."""
     temp_bytes = temp_bytes or g.nbytes
     born = [-1] * len(g.shapes)
     early: set = set()

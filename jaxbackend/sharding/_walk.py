@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.sharding._graph import REPLICATED, Builder, Graph, Op, dim_rule, is_bf16
+from jaxbackend.sharding._graph import REPLICATED, Builder, Graph, Op, dim_rule, half_name
 
 
 def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
@@ -32,7 +32,7 @@ def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
     env: dict = {}
     for var, c in zip(jaxpr.constvars, consts):
         dtype = c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
-        env[var] = b.add_var(np.shape(c), dtype.itemsize, is_bf16(dtype))
+        env[var] = b.add_var(np.shape(c), dtype.itemsize, half_name(dtype))
     invars = [b.var_of(v.aval) for v in jaxpr.invars]
     env.update(zip(jaxpr.invars, invars))
     _walk(b, jaxpr, env, 1.0)
@@ -120,7 +120,7 @@ def _scan(b, eqn, ins, mult):
         if i < nc + nk or v is None:
             inner_ins.append(v)
         else:   # xs: the body sees one slice; axis a of the slice is axis a+1 outside
-            w = b.add_var(b.shapes[v][1:], b.itemsize[v], v in b.bf16)
+            w = b.add_var(b.shapes[v][1:], b.itemsize[v], b.half.get(v))
             for a in range(len(b.shapes[w])):
                 b.union(v, a + 1, w, a)
             # Slicing iteration i needs the stacked axis whole on every

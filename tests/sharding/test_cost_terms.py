@@ -205,15 +205,18 @@ def test_an_op_along_a_sharded_axis_is_charged_no_less_than_xla_moves(op):
     assert modelled >= moved > 0
 
 
-@pytest.mark.parametrize("rules", [{"batch": ("data", "model")},
-                                   {"batch": "data", "head": "model", "mlp": "model"}],
-                         ids=["dp", "megatron"])
-def test_bf16_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(rules):
-    """XLA:CPU holds bfloat16 temporaries as float32 and runs collectives
-    on them in float32: the CPU profile counts float32 bytes for both (the
-    arguments and results stay bfloat16); the H100 profile counts
-    bfloat16's. The model used to predict half the collective bytes, and
-    0.62 of the memory."""
+DP, MEGATRON = {"batch": ("data", "model")}, {"batch": "data", "head": "model", "mlp": "model"}
+
+
+@pytest.mark.parametrize("dtype, rules, layers", [("bfloat16", DP, 5), ("bfloat16", MEGATRON, 5),
+                                                 ("float16", DP, 2)],
+                         ids=["bfloat16-dp-rolled", "bfloat16-megatron-rolled", "float16-dp"])
+def test_half_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(dtype, rules, layers):
+    """XLA:CPU holds bfloat16 and float16 temporaries as float32, and runs
+    bfloat16 collectives in float32 (float16's stay float16): the CPU
+    profile counts so (arguments, results and loop state keep their own
+    dtype); the H100 profile counts 16-bit bytes. The model used to predict
+    half a bfloat16 step's collective bytes, and 0.62 of the memory."""
     from flax import nnx
     import jax
     import optax
@@ -221,8 +224,10 @@ def test_bf16_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(rules
     from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
 
-    cfg = GPTConfig(seq_len=32, n_layers=2, embd=64, heads=4, vocab_size=128)
-    model = GPT(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    # 5 layers are rolled: stacked residuals and loop state keep their dtype
+    cfg = GPTConfig(seq_len=32, n_layers=layers, embd=64, heads=4, vocab_size=128)
+    dt = jnp.dtype(dtype)
+    model = GPT(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     tx = optax.adamw(1e-3)
 
@@ -244,4 +249,5 @@ def test_bf16_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(rules
     assert cost.memory == pytest.approx(sharding.hlo_memory(compiled)["total"], rel=0.2)
     h100 = sharding.plan(step, *args, mesh=mesh, rules=rules, profile="h100").cost
     # (all but the float32 loss)
-    assert h100.all_reduce.bytes == pytest.approx(cost.all_reduce.bytes / 2, rel=1e-3)
+    widened = 2 if dtype == "bfloat16" else 1
+    assert h100.all_reduce.bytes == pytest.approx(cost.all_reduce.bytes / widened, rel=1e-3)
