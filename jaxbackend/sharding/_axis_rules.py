@@ -118,6 +118,13 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     g = graph
     known = set(g.key_names) | set(g.key_alias)
     unknown = sorted(set(rules) - known - set(g.path_alias))
+    merged = [n for n in unknown if n in g.path_factors]
+    if merged:
+        n, parts = merged[0], g.path_factors[merged[0]]
+        raise ValueError(
+            f"rules: {n!r} is split by a reshape in the program into the dims {list(parts)} "
+            f"(a batch into micro-batches, say): a plan shards those, not it; name the one to "
+            f"shard (rules={{{parts[-1]!r}: ...}} shards the last).")
     if unknown:
         raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
                          f"{sorted(known)}; fix the spelling or drop those rules.")

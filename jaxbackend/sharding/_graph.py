@@ -134,6 +134,9 @@ class Graph:
     # name (axes the program ties: `w1:1`, `b1:0` and `w2:0` are one dim,
     # named after the first): a rule may name the dim by any of them
     path_alias: Mapping = dataclasses.field(default_factory=dict)
+    # "path:axis" of an input axis the program reshapes into several dims
+    # (a batch split into micro-batches) -> the names of those dims
+    path_factors: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def n_classes(self) -> int:
@@ -318,9 +321,18 @@ class Builder:
                             self.origin)
         for c in composite:
             class_key[c] = class_key[major[c]]
-        path_alias = {f"{path}:{a}": class_key[c]
-                      for path, v in zip(in_paths, invars) for a, c in enumerate(var_classes[v])}
-        path_alias = {n: k for n, k in path_alias.items() if key_names[k] != n}
+        path_alias, path_factors = {}, {}
+        for path, v in zip(in_paths, invars):
+            for a, c in enumerate(var_classes[v]):
+                name = f"{path}:{a}"
+                if c not in composite:
+                    if key_names[class_key[c]] != name:
+                        path_alias[name] = class_key[c]
+                    continue
+                r = self.find(self.base[v] + a)    # a merged axis: its factors' dims
+                if r in self.factors:
+                    path_factors[name] = tuple(key_names[class_key[roots[self.find(q)]]]
+                                               for q in self.factors[r])
         # A named merged dim (`head`, split by name into (kv_head, group)) has
         # no key of its own; its name is an alias of its major factor's key,
         # so rules may name either (`head -> model` shards kv_head in blocks).
@@ -353,4 +365,4 @@ class Builder:
             key_alias=key_alias, factor_keys=factor_keys,
             key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=frozenset(self.half),
             bf16=frozenset(v for v, n in self.half.items() if n == "bfloat16"),
-            path_alias=path_alias)
+            path_alias=path_alias, path_factors=path_factors)

@@ -77,6 +77,10 @@ def test_the_micro_batch_dim_of_gradient_accumulation_is_searched(mesh):
     assert moved["searched"] <= moved["dp"], (moved, f.plan.rules)
     testing.assert_close(f(*args), jax.jit(step)(*args),
                          scale=lambda: testing.abs_scale(step, *args), what="accumulating step")
+    # a rule naming the input's merged axis says which dims to name instead
+    with pytest.raises(ValueError, match=r"'args\[2\]:0' is split by a reshape in the program "
+                                         r"into the dims \['reshape@.*:0', 'reshape@.*:1'\]"):
+        jb.jit(step, mesh=mesh, rules={"args[2]:0": "data"}).lower(*args)
 
 
 def test_flax_logical_axis_names_are_the_plans_dim_names(mesh):
