@@ -152,11 +152,9 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
     for k, name in enumerate(g.key_names):
         if name in rules:
             ext = g.key_extents[k]
-            if g.key_size[k] == 1 and len(ext) == 1 and ext[0] > 1 and axes_tuple(rules[name]):
-                raise DimError(
-                    f"dim {name!r} (size {ext[0]}) is the axis a loop runs over (a lax.scan's, "
-                    f"or stacked layers'): its steps run in order on every device, so it cannot "
-                    f"be sharded; map {name!r} to None.")
+            if k in g.unshardable and axes_tuple(rules[name]):
+                raise DimError(f"dim {name!r} (size {max(ext, default=1)}) is "
+                               f"{g.unshardable[k]}: it cannot be sharded; map {name!r} to None.")
             where = (f" (given to axes of sizes {', '.join(map(str, ext))}: a sharding must "
                      f"divide each)" if len(ext) > 1 else "")
             check_size(name, g.key_size[k], rules[name], sizes, where)   # names an unknown axis

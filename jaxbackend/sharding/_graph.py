@@ -137,6 +137,8 @@ class Graph:
     # "path:axis" of an input axis the program reshapes into several dims
     # (a batch split into micro-batches) -> the names of those dims
     path_factors: Mapping = dataclasses.field(default_factory=dict)
+    # key of a dim never sharded (size > 1) -> why, for an error (`LOOP`, `WINDOW`)
+    unshardable: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def n_classes(self) -> int:
@@ -144,6 +146,12 @@ class Graph:
 
     def nbytes(self, v) -> int:
         return math.prod(self.shapes[v]) * self.itemsize[v]
+
+
+# Why a dim is never sharded (`Builder.unshardable`), as an error says it.
+LOOP = "the axis a loop runs over (a lax.scan's, or stacked layers'): its steps run in order"
+WINDOW = ("a convolution kernel's window (its gradient is a convolution XLA's partitioner "
+          "cannot split along it)")
 
 
 def half_name(dtype):
@@ -173,7 +181,7 @@ class Builder:
         self.stacked_from: dict = {}  # stacked scan result -> op index its loop starts at
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
-        self.unshardable: set = set()  # positions whose class is never sharded (layer axes)
+        self.unshardable: dict = {}    # position whose class is never sharded -> why (`LOOP`...)
         self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
         self.stacks: set = set()       # of those, the ones a reshape splits into a stack
         self.half: dict = {}           # 16-bit float var -> "bfloat16" | "float16"
@@ -365,4 +373,5 @@ class Builder:
             key_alias=key_alias, factor_keys=factor_keys,
             key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=frozenset(self.half),
             bf16=frozenset(v for v, n in self.half.items() if n == "bfloat16"),
-            path_alias=path_alias, path_factors=path_factors)
+            path_alias=path_alias, path_factors=path_factors,
+            unshardable={class_key[roots[self.find(p)]]: why for p, why in self.unshardable.items()})

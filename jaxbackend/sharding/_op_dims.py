@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 
 from jaxbackend import _jax
-from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op, register, register_default
+from jaxbackend.sharding._graph import (REPLICATED, UNMAPPED, WINDOW, Op, register,
+                                        register_default)
 
 # Reads of a part of their operand (a size-1 result axis reads one row of it)
 _READS = frozenset({"slice", "dynamic_slice", "split"})
@@ -292,7 +293,8 @@ def _conv(g, eqn, ins, outs, mult):
     batch this way). Spatial and window axes must be whole (REPLICATED), so a
     sharded one is charged a full gather (XLA exchanges halos, which cost
     less: an overcharge, never a plan that looks cheaper than it runs), and
-    so must a grouped convolution's grouped axes. Left to the default
+    so must a grouped convolution's grouped axes; a kernel's window is
+    never sharded (`WINDOW`). Left to the default
     rule, a conv looked element-wise and one flop per output, and a ResNet
     step was planned channel-parallel (its inputs' and outputs' channels of
     equal size unified) for 80x data parallel's collective bytes."""
@@ -300,7 +302,16 @@ def _conv(g, eqn, ins, outs, mult):
     out = outs[0]
     if lhs is None or rhs is None:
         return _default(g, eqn, ins, outs, mult)
-    ((lb, lf, *_), (ro, ri, *window), (ob, of, *_)), (groups, batch_groups) = _jax.conv_dims(eqn)
+    ((lb, lf, *_), (ro, ri, *window), (ob, of, *spatial)), (groups, batch_groups) = \
+        _jax.conv_dims(eqn)
+    # A result spatial axis smaller than its window is a weight gradient's
+    # (a kernel's window axis, the window the forward's result): XLA's
+    # partitioner cannot split a conv along it, so the plan never shards
+    # that dim (sharded, the search saw the conv's work halved; XLA
+    # replicated and re-sharded it, an involuntary rematerialisation)
+    for o, w in zip(spatial, window):
+        if g.shapes[out][o] < g.shapes[rhs][w]:
+            g.unshardable[g.pos(out, o)] = WINDOW
     ml, mr = [REPLICATED] * len(g.shapes[lhs]), [REPLICATED] * len(g.shapes[rhs])
     if batch_groups == 1:
         g.union(lhs, lb, out, ob)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.sharding._graph import REPLICATED, Builder, Graph, Op, dim_rule, half_name
+from jaxbackend.sharding._graph import (LOOP, REPLICATED, Builder, Graph, Op, dim_rule,
+                                        half_name)
 
 
 def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
@@ -93,7 +94,7 @@ def _walk(b, jaxpr, env, mult):
                 outs = o if outs is None else outs
         elif (body := _jax.call_body(eqn)) is not None:
             if _stacked.splits_layers(eqn) and ins[0] is not None:
-                b.unshardable.add(b.base[ins[0]])   # a layer axis (`jb.stack_layers`)
+                b.unshardable[b.base[ins[0]]] = LOOP   # a layer axis (`jb.stack_layers`)
             outs = _inline(b, body, ins, mult)
         else:
             outs = [b.var_of(x.aval) for x in eqn.outvars]
@@ -129,7 +130,7 @@ def _scan(b, eqn, ins, mult):
             # the loop), so the layer axis is never sharded; it is a program
             # input's axis when the caller keeps layers stacked
             # (`jb.stack_layers`), and would otherwise be a search option.
-            b.unshardable.add(b.base[v])
+            b.unshardable[b.base[v]] = LOOP
             n = len(b.shapes[w])
             b.ops.append(Op("map", mult, b.shapes[w], tuple((w, a) for a in range(n)),
                             ((v, (REPLICATED,) + tuple(range(n))),), ((w, tuple(range(n))),), (), 0.0))
@@ -159,7 +160,7 @@ def _scan(b, eqn, ins, mult):
             # The stacked result is a real buffer (e.g. residuals kept for
             # the backward scan): produced here, never fused away. Its layer
             # axis is not sharded either (as the xs above).
-            b.unshardable.add(b.base[w])
+            b.unshardable[b.base[w]] = LOOP
             b.ops.append(Op("map", mult, b.shapes[w], tuple((w, a) for a in range(n)), ins_map,
                             ((w, tuple(range(n))),), (), 0.0))
             b.pinned.add(w)
