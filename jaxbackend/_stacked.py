@@ -37,6 +37,8 @@ are sliced plainly: they have no cotangent.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Sequence
 
 import jax
@@ -242,10 +244,38 @@ def stack_layers(tree):
     found: list = []
     out = _stack(tree, (), misses, found)
     if not found:
+        named = _named_layers(tree)
         raise NothingToStack(
             "no list, tuple or dict keyed 0..n-1 of >= 2 layers with one structure, shapes "
-            "and dtypes in this tree" + "".join("; " + m for m in misses[:1]))
+            "and dtypes in this tree" + "".join("; " + m for m in misses[:1]) +
+            (f"; the layers {named} are dict entries named by number (Flax linen's naming): a "
+             f"model looks them up by those names, so they cannot be replaced by one stack; "
+             f"flax.linen.scan (nn.scan) over the layer keeps them stacked" if named else ""))
     return out
+
+
+def _named_layers(tree) -> str | None:
+    """'h0'..'h5' for the first dict holding >= 2 sub-trees of one signature
+    keyed <prefix><i> (or <prefix>_<i>) for i = 0..n-1, else None."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            if isinstance(node, (list, tuple)):
+                todo.extend(node)
+            continue
+        groups: dict = {}
+        for key in node:
+            m = re.fullmatch(r"(.*?)(\d+)", str(key))
+            if m:
+                groups.setdefault(m.group(1), {})[int(m.group(2))] = key
+        for keys in groups.values():
+            if len(keys) >= 2 and set(keys) == set(range(len(keys))):
+                sigs = {_signature(node[keys[i]]) for i in range(len(keys))}
+                if len(sigs) == 1 and None not in sigs:
+                    return f"{keys[0]!r}..{keys[len(keys) - 1]!r}"
+        todo.extend(node.values())
+    return None
 
 
 class NothingToStack(ValueError):

@@ -74,6 +74,12 @@ def test_layers_that_differ_are_kept_and_a_tree_without_layers_is_an_error():
     mixed = jb.stack_layers({"blocks": ws, "more": _weights(3)})
     assert isinstance(mixed["more"], jb.Stacked)
     _same(mixed["blocks"], ws)
+    # layers named by number (Flax linen's h0, h1, ...): looked up by name, so
+    # the error says why they stay and what keeps them stacked
+    linen = {"params": {"wte": jnp.zeros(3), **{f"h{i}": w for i, w in enumerate(_weights(3))}}}
+    with pytest.raises(ValueError, match=r"the layers 'h0'..'h2' are dict entries named by "
+                                         r"number .*nn.scan"):
+        jb.stack_layers(linen)
 
 
 def test_the_gradient_through_a_stacked_loop_is_the_stacked_gradient():
