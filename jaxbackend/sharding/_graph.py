@@ -308,12 +308,20 @@ class Builder:
         names: dict = {}
         for p in sorted(self.labels):   # earliest-created position names the class
             names.setdefault(roots[self.find(p)], self.labels[p])
-        # Unnamed classes are tied by fingerprint (size + input-argument axes held).
+        # Unnamed classes are tied by fingerprint (size + input-argument axes
+        # held, whole or as a factor of a merged axis: the per-micro-batch
+        # batch of a split input is no other dim of its size, such as a
+        # patch grid's side, which tying made one key with it).
         finger: dict = {c: set() for c in range(n_classes) if c not in names}
         for v in invars:
             for a, c in enumerate(var_classes[v]):
                 if c in finger:
                     finger[c].add((self.shapes[v], a))
+                r = self.find(self.base[v] + a)
+                for j, q in enumerate(self.factors.get(r, ())):
+                    fc = roots.get(self.find(q))
+                    if fc in finger:
+                        finger[fc].add((self.shapes[v], a, j))
         key_of: dict = {}
         key_names: list = []
         class_key = [0] * n_classes
