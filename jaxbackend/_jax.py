@@ -472,6 +472,13 @@ def reduce_axes(eqn) -> tuple:
     return tuple(eqn.params["axes"])
 
 
+def half_float_name(dtype):
+    """"bfloat16" or "float16" for those dtypes, else None (by name: PRNG
+    keys' extended dtypes and NumPy's alike have one)."""
+    name = getattr(dtype, "name", None)
+    return name if name in ("bfloat16", "float16") else None
+
+
 # Primitives whose every result entry reads the whole of some axes of the
 # operands, and the param naming them (JAX 0.10; `top_k` took the last axis
 # before its `axis` param existed).

@@ -37,9 +37,9 @@ are sliced plainly: they have no cotangent.
 
 from __future__ import annotations
 
+import collections
 import re
-
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -255,12 +255,13 @@ def stack_layers(tree):
 
 
 def _named_layers(tree) -> str | None:
-    """'h0'..'h5' for the first dict holding >= 2 sub-trees of one signature
-    keyed <prefix><i> (or <prefix>_<i>) for i = 0..n-1, else None."""
-    todo = [tree]
+    """'h0'..'h5' for the shallowest mapping (a dict, a Flax FrozenDict)
+    holding >= 2 sub-trees of one signature keyed <prefix><i> (or
+    <prefix>_<i>) for i = 0..n-1, else None."""
+    todo = collections.deque([tree])
     while todo:
-        node = todo.pop()
-        if not isinstance(node, dict):
+        node = todo.popleft()
+        if not isinstance(node, Mapping):
             if isinstance(node, (list, tuple)):
                 todo.extend(node)
             continue

@@ -129,14 +129,17 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
         raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
                          f"{sorted(known)}; fix the spelling or drop those rules.")
     rules = dict(rules)
+    given_as: dict = {}   # the plan's name of a dim -> the spelling a rule used
     for alias in [a for a in rules if a in g.path_alias]:   # another input axis of one dim
         name = g.key_names[g.path_alias[alias]]
         if name in rules and rules[name] != rules[alias]:
+            other = given_as.get(name, name)
             raise ValueError(
-                f"rules: {alias!r} and {name!r} are one dim of this program (the program ties "
-                f"those input axes), but the rules give {alias!r} -> {rules[alias]!r} and "
-                f"{name!r} -> {rules[name]!r}; give one of them, or both the same axes.")
+                f"rules: {alias!r} and {other!r} are one dim of the plan (called {name!r}), "
+                f"but the rules give {alias!r} -> {rules[alias]!r} and {other!r} -> "
+                f"{rules[name]!r}; give one of them, or both the same axes.")
         rules[name] = rules.pop(alias)
+        given_as.setdefault(name, alias)
     for alias, k in g.key_alias.items():
         if alias in rules:
             major = g.key_names[k]
@@ -153,8 +156,11 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
         if name in rules:
             ext = g.key_extents[k]
             if k in g.unshardable and axes_tuple(rules[name]):
-                raise DimError(f"dim {name!r} (size {max(ext, default=1)}) is "
-                               f"{g.unshardable[k]}: it cannot be sharded; map {name!r} to None.")
+                given = given_as.get(name, name)
+                called = f", called {name!r} in the plan" if given != name else ""
+                raise DimError(f"dim {given!r} (size {max(ext, default=1)}{called}) is "
+                               f"{g.unshardable[k]}: it cannot be sharded; map {given!r} to "
+                               f"None.")
             where = (f" (given to axes of sizes {', '.join(map(str, ext))}: a sharding must "
                      f"divide each)" if len(ext) > 1 else "")
             check_size(name, g.key_size[k], rules[name], sizes, where)   # names an unknown axis

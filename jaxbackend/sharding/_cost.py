@@ -94,7 +94,7 @@ class GatherGroup(NamedTuple):
     """Variables gathered together: same layout keys, size and consumers
     (`uses`: (distinct op, operand position) pairs)."""
     keys: tuple
-    nbytes: int       # as a collective moves them (`CostModel.wire_bytes`)
+    nbytes: int       # as a collective moves them (`CostModel.wire_bytes`; so is the gathered copy)
     uses: tuple
     is_input: bool
     mult: float       # times gathered per step (the least multiplicity of a consumer, summed)
@@ -169,14 +169,18 @@ class CostModel:
         stacked results keep their own (a `while` carries its declared
         types), as do arguments and results (`_liveness`)."""
         g = self.g
-        widen = (self.mesh.profile.half_held_as_f32 and v in g.half
-                 and v not in g.loop_state and v not in g.pinned)
-        return g.nbytes(v) * (2 if widen else 1)
+        held = v not in g.loop_state and v not in g.pinned
+        return self._widened(v, ("bfloat16", "float16") if held else ())
 
     def wire_bytes(self, v) -> int:
         """Bytes of var `v` in a collective: its own, or float32's for
         bfloat16 on such a profile (XLA:CPU: not for float16)."""
-        widen = self.mesh.profile.half_held_as_f32 and v in self.g.bf16
+        return self._widened(v, ("bfloat16",))
+
+    def _widened(self, v, dtypes) -> int:
+        """v's bytes, as float32's if its dtype is one of `dtypes` on a
+        profile that widens them."""
+        widen = self.mesh.profile.half_held_as_f32 and self.g.half.get(v) in dtypes
         return self.g.nbytes(v) * (2 if widen else 1)
 
     # -- layouts ---------------------------------------------------------------

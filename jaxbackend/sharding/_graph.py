@@ -43,6 +43,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, NamedTuple
 
+from jaxbackend import _jax
 from jaxbackend.sharding import _names
 
 UNMAPPED = -1    # an operand axis with no requirement (size-1 broadcast, a one-row read)
@@ -126,10 +127,9 @@ class Graph:
     # key -> the sizes of the axes it names (several where one name is given
     # to axes of different sizes; its shardable size is then their gcd)
     key_extents: tuple = ()
-    # 16-bit float vars, and of them the bfloat16 ones (XLA:CPU holds them
-    # as float32 between ops: `HardwareProfile.half_held_as_f32`)
-    half: frozenset = frozenset()
-    bf16: frozenset = frozenset()
+    # 16-bit float var -> "bfloat16" | "float16" (XLA:CPU holds them as
+    # float32 between ops: `HardwareProfile.half_held_as_f32`)
+    half: Mapping = dataclasses.field(default_factory=dict)
     # "path:axis" of each input axis -> its key, where the key has another
     # name (axes the program ties: `w1:1`, `b1:0` and `w2:0` are one dim,
     # named after the first): a rule may name the dim by any of them
@@ -154,13 +154,6 @@ WINDOW = ("a convolution kernel's window (its gradient is a convolution XLA's pa
           "cannot split along it)")
 
 
-def half_name(dtype):
-    """"bfloat16" or "float16" for those dtypes, else None (by name: PRNG
-    keys' extended dtypes and NumPy's alike have one)."""
-    name = getattr(dtype, "name", None)
-    return name if name in ("bfloat16", "float16") else None
-
-
 class Builder:
     """The graph under construction: variables, the union-find over their
     (var, axis) positions, labels, and the ops recorded so far."""
@@ -182,6 +175,7 @@ class Builder:
         self.sub_env: dict = {}      # sub-jaxpr Var -> var, from its first walk
         self.origin: dict = {}       # var -> the equation that made it (names unnamed dims)
         self.unshardable: dict = {}    # position whose class is never sharded -> why (`LOOP`...)
+        self.windows: set = set()      # conv window positions (`WINDOW` where a parameter's)
         self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
         self.stacks: set = set()       # of those, the ones a reshape splits into a stack
         self.half: dict = {}           # 16-bit float var -> "bfloat16" | "float16"
@@ -205,7 +199,7 @@ class Builder:
         # `dtype.itemsize`, not np.dtype(...): a PRNG key's extended dtype has one too
         dtype = getattr(aval, "dtype", None)
         return self.add_var(aval.shape, 4 if dtype is None else dtype.itemsize,
-                            half_name(dtype))
+                            _jax.half_float_name(dtype))
 
     def pos(self, v: int, axis: int) -> int:
         return self.base[v] + axis
@@ -303,8 +297,14 @@ class Builder:
         for c in composite:
             cls_sizes.pop(c, None)
         class_size = [cls_sizes.get(c, 1) for c in range(n_classes)]
-        for p in self.unshardable:
-            class_size[roots[self.find(p)]] = 1
+        held = {c for v in invars for c in var_classes[v]}
+        why_of = {roots[self.find(p)]: why for p, why in self.unshardable.items()}
+        for p in self.windows:   # a kernel's window: the class holds a parameter's axis
+            c = roots[self.find(p)]
+            if c in held:
+                why_of.setdefault(c, WINDOW)
+        for c in why_of:
+            class_size[c] = 1
         names: dict = {}
         for p in sorted(self.labels):   # earliest-created position names the class
             names.setdefault(roots[self.find(p)], self.labels[p])
@@ -356,7 +356,6 @@ class Builder:
         # The factors of a merged dim an input holds (tokens (micro * batch,
         # time) split into (micro, batch) for gradient accumulation): dims the
         # plan may shard though no input holds one whole.
-        held = {c for v in invars for c in var_classes[v]}
         factor_keys = frozenset(class_key[roots[self.find(q)]] for r, parts in self.factors.items()
                                 if self.find(r) == r and roots.get(r) in held for q in parts)
         key_size = [0] * len(key_names)
@@ -379,7 +378,6 @@ class Builder:
             class_size=tuple(class_size), class_names=names, major=tuple(major),
             class_key=tuple(class_key), key_names=tuple(key_names), key_size=tuple(key_size),
             key_alias=key_alias, factor_keys=factor_keys,
-            key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=frozenset(self.half),
-            bf16=frozenset(v for v, n in self.half.items() if n == "bfloat16"),
+            key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=dict(self.half),
             path_alias=path_alias, path_factors=path_factors,
-            unshardable={class_key[roots[self.find(p)]]: why for p, why in self.unshardable.items()})
+            unshardable={class_key[c]: why for c, why in why_of.items() if c not in composite})

@@ -35,8 +35,7 @@ from __future__ import annotations
 import math
 
 from jaxbackend import _jax
-from jaxbackend.sharding._graph import (REPLICATED, UNMAPPED, WINDOW, Op, register,
-                                        register_default)
+from jaxbackend.sharding._graph import REPLICATED, UNMAPPED, Op, register, register_default
 
 # Reads of a part of their operand (a size-1 result axis reads one row of it)
 _READS = frozenset({"slice", "dynamic_slice", "split"})
@@ -87,21 +86,20 @@ def _default(g, eqn, ins, outs, mult):
         if g.shapes[w] == shape:
             for a in range(len(shape)):
                 g.union(w, a, out, a)
-    _map_op(g, maps, out, mult)
+    return _map_op(g, maps, out, mult)
 
 
 @register(*_jax.ALONG_AXES)
 def _along(g, eqn, ins, outs, mult):
     """The default rule, with the axes the op works along whole on every
     operand (module docstring)."""
-    _default(g, eqn, ins, outs, mult)
-    if not outs:
+    op = _default(g, eqn, ins, outs, mult)
+    if op is None:
         return
     along = set(_jax.along_axes(eqn))
-    op = g.ops[-1]
     ins_maps = tuple((v, tuple(REPLICATED if a in along else x for a, x in enumerate(m)))
                      for v, m in op.ins)
-    g.ops[-1] = op._replace(ins=ins_maps)
+    g.ops[-1] = op._replace(ins=ins_maps)   # the op `_default` just appended
 
 
 @register("transpose")
@@ -302,16 +300,13 @@ def _conv(g, eqn, ins, outs, mult):
     out = outs[0]
     if lhs is None or rhs is None:
         return _default(g, eqn, ins, outs, mult)
-    ((lb, lf, *_), (ro, ri, *window), (ob, of, *spatial)), (groups, batch_groups) = \
-        _jax.conv_dims(eqn)
-    # A result spatial axis smaller than its window is a weight gradient's
-    # (a kernel's window axis, the window the forward's result): XLA's
-    # partitioner cannot split a conv along it, so the plan never shards
-    # that dim (sharded, the search saw the conv's work halved; XLA
-    # replicated and re-sharded it, an involuntary rematerialisation)
-    for o, w in zip(spatial, window):
-        if g.shapes[out][o] < g.shapes[rhs][w]:
-            g.unshardable[g.pos(out, o)] = WINDOW
+    ((lb, lf, *_), (ro, ri, *window), (ob, of, *_)), (groups, batch_groups) = _jax.conv_dims(eqn)
+    # A kernel's window axis (a window axis a parameter holds: `finish`)
+    # is never sharded: the kernel's gradient is a conv whose result
+    # spatial axes are that window, which XLA's partitioner cannot split
+    # (sharded, the search saw that conv's work halved; XLA replicated and
+    # re-sharded it, an involuntary rematerialisation)
+    g.windows.update(g.pos(rhs, w) for w in window)
     ml, mr = [REPLICATED] * len(g.shapes[lhs]), [REPLICATED] * len(g.shapes[rhs])
     if batch_groups == 1:
         g.union(lhs, lb, out, ob)

@@ -17,8 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.sharding._graph import (LOOP, REPLICATED, Builder, Graph, Op, dim_rule,
-                                        half_name)
+from jaxbackend.sharding._graph import LOOP, REPLICATED, Builder, Graph, Op, dim_rule
 
 
 def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
@@ -33,7 +32,7 @@ def build(closed, in_names=None, out_names=None, in_paths=None) -> Graph:
     env: dict = {}
     for var, c in zip(jaxpr.constvars, consts):
         dtype = c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
-        env[var] = b.add_var(np.shape(c), dtype.itemsize, half_name(dtype))
+        env[var] = b.add_var(np.shape(c), dtype.itemsize, _jax.half_float_name(dtype))
     invars = [b.var_of(v.aval) for v in jaxpr.invars]
     env.update(zip(jaxpr.invars, invars))
     _walk(b, jaxpr, env, 1.0)

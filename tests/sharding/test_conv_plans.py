@@ -117,33 +117,42 @@ def test_depthwise_conv_kernel_gradient_under_a_partial_layout_is_exact(mesh24, 
                          scale=lambda: testing.abs_scale(g, *args), what=f"kernel gradient {rules}")
 
 
-def test_a_kernel_window_is_never_sharded(mesh24, capfd):
+@pytest.mark.parametrize("side, patch", [(32, 4), (64, 8), (16, 8)],
+                         ids=["grid-8-window-4", "grid-equals-window", "grid-below-window"])
+def test_a_kernel_window_is_never_sharded(mesh24, side, patch):
     """A kernel's window axis: its gradient is a convolution whose result
-    spatial axis is that window, which XLA's partitioner cannot split (it
-    replicated and re-sharded it, an involuntary rematerialisation, where
-    a searched plan sharded a patch embedding's window to halve that conv's
-    modelled work). The plan never shards it, and a rule that tries says so."""
+    spatial axis is that window, which XLA's partitioner cannot split (a
+    searched MLP-Mixer plan sharded its patch embedding's window, for the
+    model's halving of that conv's work; XLA replicated and re-sharded it,
+    an involuntary rematerialisation). The window's dim is never sharded,
+    and a rule that tries says why; the patch grid (the activations' dim)
+    stays shardable, whatever its size next to the window's."""
     from jaxbackend.named import DimError
 
-    def loss(w, v, x):   # a patch embedding (4x4 patches), then a dense layer over patches
-        h = lax.conv_general_dilated(x, w, (4, 4), "VALID",
+    def loss(w, v, x):   # a patch embedding, then a dense layer over the patches
+        h = lax.conv_general_dilated(x, w, (patch, patch), "VALID",
                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.mean(jnp.tanh(h.reshape(h.shape[0], -1) @ v))
 
-    k = jax.random.split(jax.random.key(0), 3)
-    args = (jax.random.normal(k[0], (4, 4, 3, 32)) / 7, jax.random.normal(k[1], (8 * 8 * 32, 16)) / 45,
-            jax.random.normal(k[2], (16, 32, 32, 3)))
     def step(w, v, x):   # SGD: the kernel and its gradient are one dim per axis
         gw, gv = jax.grad(loss, (0, 1))(w, v, x)
         return w - 0.1 * gw, v - 0.1 * gv
 
+    grid = side // patch
+    k = jax.random.split(jax.random.key(0), 3)
+    args = (jax.random.normal(k[0], (patch, patch, 3, 16)) / patch,
+            jax.random.normal(k[1], (grid * grid * 16, 8)) / (4 * grid),
+            jax.random.normal(k[2], (8, side, side, 3)))
     f = jb.jit(step, mesh=mesh24)
-    capfd.readouterr()
-    f.lower(*args).compile()
-    assert "Involuntary full rematerialization" not in capfd.readouterr().err
-    assert not any(f.plan.rules.get(f"args[0]:{a}") for a in (0, 1)), f.plan.rules
+    f.lower(*args)
+    g = f.plan.model.g
+    for a in (0, 1):
+        k = g.key_names.index(f"args[0]:{a}")
+        assert k in g.unshardable and g.key_size[k] == 1, (a, g.key_size[k])
+    grids = [k for k, n in enumerate(g.key_names) if n.startswith("conv_general_dilated@")]
+    assert grids and not any(k in g.unshardable for k in grids), [g.key_names[k] for k in grids]
     testing.assert_close(f(*args), jax.jit(step)(*args),
                          scale=lambda: testing.abs_scale(step, *args), what="patch embedding step")
-    with pytest.raises(DimError, match=r"dim 'args\[0\]:1' \(size 4\) is a convolution kernel's "
-                                       r"window.*map 'args\[0\]:1' to None"):
+    with pytest.raises(DimError, match=rf"dim 'args\[0\]:1' \(size {patch}\) is a convolution "
+                                       r"kernel's window.*map 'args\[0\]:1' to None"):
         jb.jit(step, mesh=mesh24, rules={"args[0]:1": "data"}).lower(*args)
