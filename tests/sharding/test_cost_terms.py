@@ -217,27 +217,11 @@ def test_half_temporaries_and_collectives_are_costed_as_xla_cpu_holds_them(dtype
     profile counts so (arguments, results and loop state keep their own
     dtype); the H100 profile counts 16-bit bytes. The model used to predict
     half a bfloat16 step's collective bytes, and 0.62 of the memory."""
-    from flax import nnx
-    import jax
-    import optax
-
-    from jaxbackend import nn
-    from jaxbackend.models import GPT, GPTConfig
+    from benchmarks.sharded_scaling import _setup
 
     # 5 layers are rolled: stacked residuals and loop state keep their dtype
-    cfg = GPTConfig(seq_len=32, n_layers=layers, embd=64, heads=4, vocab_size=128)
-    dt = jnp.dtype(dtype)
-    model = GPT(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0))
-    params, loss_fn = nn.functional(model, "loss")
-    tx = optax.adamw(1e-3)
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    x = jax.random.randint(jax.random.key(1), (16, 32), 0, 128)
-    args = (params, tx.init(params), x, jnp.roll(x, -1, axis=1))
+    _, params, tx, step, x, y = _setup(layers, embd=64, heads=4, seq=32, batch=16, dtype=dtype)
+    args = (params, tx.init(params), x, y)
     mesh = sharding.auto_mesh((2, 4), ("data", "model"))
     f = jb.jit(step, mesh=mesh, rules=rules)
     compiled = f.lower(*args).compile()
