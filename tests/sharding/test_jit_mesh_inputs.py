@@ -151,7 +151,8 @@ def test_a_rule_may_name_a_dim_by_any_input_axis_that_holds_it(mesh):
         planned[spelling] = {k: v for k, v in f.plan.rules.items() if v}
     assert all(r == {"args[0]['b1']:0": "model", "args[1]:0": "data"} for r in planned.values())
     with pytest.raises(ValueError, match=r"\"args\[0\]\['w2'\]:0\" and \"args\[0\]\['w1'\]:1\" "
-                                         r"are one dim of the plan \(called \"args\[0\]\['b1'\]:0\"\)"):
+                                         r"are one dim of the plan "
+                                         r"\(called \"args\[0\]\['b1'\]:0\"\)"):
         jb.jit(loss, mesh=mesh, rules={"args[0]['w1']:1": "model",
                                        "args[0]['w2']:0": "data"}).lower(p, x)
 
