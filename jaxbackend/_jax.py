@@ -481,15 +481,19 @@ def half_float_name(dtype):
 
 # Primitives whose every result entry reads the whole of some axes of the
 # operands, and the param naming them (JAX 0.10; `top_k` took the last axis
-# before its `axis` param existed).
+# before its `axis` param existed; `fft` works on its trailing
+# len(fft_lengths) axes).
 _ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
-          "cumlogsumexp": "axis", "top_k": "axis", "sort": "dimension", "rev": "dimensions"}
+          "cumlogsumexp": "axis", "top_k": "axis", "approx_top_k": "reduction_dimension",
+          "sort": "dimension", "rev": "dimensions", "fft": "fft_lengths"}
 ALONG_AXES = frozenset(_ALONG)
 
 
 def along_axes(eqn) -> tuple:
     """The axes an `ALONG_AXES` equation works along (non-negative)."""
     rank = len(eqn.invars[0].aval.shape)
+    if eqn.primitive.name == "fft":
+        return tuple(range(rank - len(eqn.params["fft_lengths"]), rank))
     a = eqn.params.get(_ALONG[eqn.primitive.name], -1)
     return tuple(x % rank for x in (a if isinstance(a, (tuple, list)) else (a,)))
 

@@ -11,10 +11,10 @@ Each rule unifies positions in the builder's union-find and appends one
 result's axes, then the summed ones), and for each operand and result an
 axis map from its axes to iteration dims. Equations it does not know get
 the default rule: elementwise on equal-sized aligned axes (right for `lax`
-elementwise, select and convert). Cumulative ops, `sort`, `top_k` and `rev`
-are elementwise but along their axis, which each result entry reads whole:
-the operands must hold it whole (`REPLICATED`), so sharding it is charged
-the gather XLA does. An operand axis whose size
+elementwise, select and convert). Cumulative ops, `sort`, `top_k`, `rev`
+and `fft` are elementwise but along their axes, which each result entry
+reads whole: the operands must hold them whole (`REPLICATED`), so sharding
+one is charged the gather XLA does. An operand axis whose size
 differs from the result's (sliced, split, padded, pooled) must be whole
 (`REPLICATED`, charged a full gather: XLA may exchange only halos): shard
 bounds miss the slices' (an LSTM's gates split from one projection sharded

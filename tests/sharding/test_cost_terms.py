@@ -178,9 +178,9 @@ def test_slicing_a_sharded_dim_is_charged_and_the_search_avoids_it():
     assert moved["searched"] <= moved["dp"], moved
 
 
-@pytest.mark.parametrize("op", ["cumsum", "sort", "top_k", "flip"])
+@pytest.mark.parametrize("op", ["cumsum", "sort", "top_k", "flip", "fft"])
 def test_an_op_along_a_sharded_axis_is_charged_no_less_than_xla_moves(op):
-    """cumsum, sort, top_k and rev read the whole axis they work along: XLA
+    """cumsum, sort, top_k, rev and fft read the whole axis they work along: XLA
     moves data when it is sharded (all-gathers for cumsum and top_k, as
     modelled; an all-to-all for sort and a collective-permute for rev,
     less than the gather modelled). The model once called them elementwise,
@@ -190,7 +190,8 @@ def test_an_op_along_a_sharded_axis_is_charged_no_less_than_xla_moves(op):
     from jaxbackend.sharding import _hlo
 
     along = {"cumsum": lambda h: jnp.cumsum(h, 1), "sort": lambda h: jnp.sort(h, 1),
-             "top_k": lambda h: jax.lax.top_k(h, h.shape[1])[0], "flip": lambda h: h[:, ::-1]}[op]
+             "top_k": lambda h: jax.lax.top_k(h, h.shape[1])[0], "flip": lambda h: h[:, ::-1],
+             "fft": lambda h: jnp.abs(jnp.fft.fft(h, axis=1))}[op]
 
     def f(x, w):     # rows of x: independent; its columns: the axis `op` works along
         return jnp.tanh(along(jnp.tanh(x @ w)) @ w.T)
