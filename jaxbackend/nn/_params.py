@@ -104,8 +104,14 @@ def dims_of(v, leading: bool = False) -> tuple | None:
         dims = logical
     ndim = _ndim(v)
     if len(dims) == ndim or leading and len(dims) < ndim:
-        return (None,) * (ndim - len(dims)) + tuple(dims)
+        return with_leading(dims, ndim)
     return None
+
+
+def with_leading(dims, ndim: int) -> tuple:
+    """The names of the trailing axes of an `ndim`-axis value, with None for
+    the leading axes they do not name (a stacked layer axis)."""
+    return (None,) * (ndim - len(dims)) + tuple(dims)
 
 
 def param_dims(tree):

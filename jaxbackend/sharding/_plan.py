@@ -62,8 +62,7 @@ def dims_of(tree) -> list:
         if isinstance(x, NamedArray):
             # in a `jb.stack_layers` Stacked, the values carry a leading layer
             # axis the per-layer dims do not name: the names are the trailing axes'
-            extra = len(getattr(x.values, "shape", ())) - len(x.dims)
-            return [(None,) * extra + tuple(x.dims) if extra > 0 else x.dims]
+            return [_params.with_leading(x.dims, len(getattr(x.values, "shape", x.dims)))]
         n = len(jax.tree.leaves(x))
         if n != 1:      # not a variable (a plain leaf) holds one; an empty variable none
             return [None] * n

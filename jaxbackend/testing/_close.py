@@ -39,9 +39,12 @@ def tolerance(*dtypes) -> tuple:
     return max(t[0] for t in tols), max(t[1] for t in tols)
 
 
+def _values(x):
+    return x.values if isinstance(x, nx.NamedArray) else x
+
+
 def _array(x):
-    if isinstance(x, nx.NamedArray):
-        x = x.values
+    x = _values(x)
     if _is_key(x):
         # a typed PRNG key (an NNX step's RngState): its bits, compared exactly
         # (`_compare` first requires both sides to be keys of one implementation)
@@ -64,7 +67,7 @@ def _is_key(x) -> bool:
 
 
 def _compare(actual, expected, rtol, atol, scale, check_dtype, what) -> float:
-    pair = [x.values if isinstance(x, nx.NamedArray) else x for x in (actual, expected)]
+    pair = [_values(x) for x in (actual, expected)]
     keys = [_is_key(x) for x in pair]
     if any(keys) and (not all(keys)
                       or jax.random.key_impl(pair[0]) != jax.random.key_impl(pair[1])):
