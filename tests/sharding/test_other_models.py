@@ -1,7 +1,10 @@
 """Architectures the benchmarks never use, through `jb.jit(mesh=)` with the
 searched plan: a mixer (a Linear over `time` as the token mixing, RMSNorm,
 SwiGLU), sliding-window and global attention layers alternating, and a
-residual MLP in plain jnp (its dims named after argument paths). Per-layer params (rolled) and stacked ones (`jb.stack_layers`), an
+residual MLP in plain jnp (its dims named after argument paths), with
+per-layer params (rolled) and stacked ones (`jb.stack_layers`); and a plain
+Flax NNX transformer written the way Flax recommends for depth (blocks made
+by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author). An
 AdamW step each: the loss and gradients equal jax.jit's on one device, the
 step compiles without XLA rematerialising a tensor, and the memory the plan
 predicts is XLA's within the issue's 20%."""
@@ -61,6 +64,40 @@ class _LocalGlobal(nnx.Module):
     loss = _Mixer.loss
 
 
+class _ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.n1 = nnx.LayerNorm(EMBD, rngs=rngs)
+        self.att = nnx.MultiHeadAttention(4, EMBD, decode=False, rngs=rngs)
+        self.n2 = nnx.LayerNorm(EMBD, rngs=rngs)
+        self.w1 = nnx.Linear(EMBD, 4 * EMBD, rngs=rngs)
+        self.w2 = nnx.Linear(4 * EMBD, EMBD, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.att(self.n1(x), mask=nnx.make_causal_mask(jnp.ones(x.shape[:2])))
+        return x + self.w2(jax.nn.gelu(self.w1(self.n2(x))))
+
+
+class _NnxScan(nnx.Module):
+    # plain Flax, no dim names: Flax's own scan-over-layers pattern
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(64, EMBD, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return _ScanBlock(rngs)
+
+        self.blocks, self.norm = blocks(rngs), nnx.LayerNorm(EMBD, rngs=rngs)
+
+    def loss(self, x, y):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        logits = self.emb.attend(self.norm(run(self.emb(x), self.blocks)))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
 def _residual_mlp_loss(p, x, y):
     z = x @ p["emb"]
     for layer in p["layers"]:
@@ -74,6 +111,14 @@ def _setup(name):
         model = (_Mixer if name == "mixer" else _LocalGlobal)(nnx.Rngs(0))
         params, loss = nn.functional(model, "loss")
         batch = (jax.random.normal(k1, (BATCH, SEQ, 8)), jax.random.normal(k2, (BATCH, SEQ, 8)))
+    elif name == "nnx-scan":
+        graphdef, params = nnx.split(_NnxScan(nnx.Rngs(0)), nnx.Param)
+
+        def loss(params, x, y):
+            return nnx.merge(graphdef, params).loss(x, y)
+
+        x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
+        batch = (x, jnp.roll(x, -1, axis=1))
     else:
         ks = jax.random.split(jax.random.key(0), 2 * LAYERS + 1)
         params = {"emb": jax.random.normal(ks[-1], (EMBD, EMBD)) / EMBD ** 0.5,
@@ -88,7 +133,8 @@ def _setup(name):
 
 @pytest.mark.parametrize("name, stacked", [
     ("mixer", False), ("mixer", True), ("residual mlp", False), ("residual mlp", True),
-    ("local-global", False), ("local-global", True)], ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
+    ("local-global", False), ("local-global", True), ("nnx-scan", False)],
+    ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
 def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     params, loss, batch = _setup(name)
     if stacked:
@@ -104,10 +150,11 @@ def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     f = jb.jit(step, mesh=mesh24)
     comp = f.lower(*args).compile()
     assert REMAT not in capfd.readouterr().err
-    if stacked:   # the layer axis of a stacked input is never sharded (`_walk`)
+    if stacked or name == "nnx-scan":   # a layer axis is never sharded (`_walk`; a scan's xs)
+        mark = ".stacked" if stacked else "['blocks']"
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         layer_axes = [spec[0] if len(spec) else None
-                      for spec, p in zip(f.plan.in_specs(), paths) if ".stacked" in p]
+                      for spec, p in zip(f.plan.in_specs(), paths) if mark in p]
         assert layer_axes and all(a is None for a in layer_axes), f.plan.rules
     assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.2)
     # The values and gradients (AdamW's normalised update would amplify a
