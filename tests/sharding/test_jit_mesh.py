@@ -284,16 +284,19 @@ def _gpt_step(layers: int):
     return jax.value_and_grad(loss_fn), (params, x, jnp.roll(x, -1, axis=1))
 
 
+ROLLED = 3
+
+
 @pytest.fixture(scope="module")
 def rolled_gpt():
     """The rolled GPT's value_and_grad, its arguments, its single-device
     value and (lazily, once) its abs_scale: shared by the plans compared."""
     import functools
 
-    from jaxbackend import passes
-
-    # exactly passes.REROLL_MIN_REPEATS layers: the fewest that reroll rolls
-    vg, args = _gpt_step(passes.REROLL_MIN_REPEATS)
+    # ROLLED layers, rolled by `jb.jit(..., reroll=ROLLED)` in the tests (the
+    # default minimum, 5, is tested in tests/test_jit.py; 3 layers compile
+    # and take their abs_scale in half the time)
+    vg, args = _gpt_step(ROLLED)
     want = jax.jit(vg)(*args)
     scale = functools.cache(lambda: testing.abs_scale(vg, *args))
     return vg, args, want, scale
@@ -303,7 +306,7 @@ def rolled_gpt():
                          ids=["searched", "megatron"])
 def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules, rolled_gpt):
     vg, args, want, scale = rolled_gpt
-    f = jb.jit(vg, mesh=mesh, rules=rules)
+    f = jb.jit(vg, mesh=mesh, rules=rules, reroll=ROLLED)
     assert "stablehlo.while" in f.lower(*args).as_text(), "the layers should run in a loop"
     testing.assert_close(f(*args), want, scale=scale, what="sharded rolled value_and_grad")
 
@@ -322,7 +325,7 @@ def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh, rolled_gpt)
         return optax.apply_updates(params, updates), opt_state, loss
 
     args = (params, tx.init(params), x, y)
-    f = jb.jit(step, mesh=mesh)
+    f = jb.jit(step, mesh=mesh, reroll=ROLLED)
     got, want = f(*args), jax.jit(step)(*args)
     assert re.search(r"reroll\.vectorized: [1-9]", str(f.last_report))   # that call's passes
     testing.assert_close(got, want, scale=lambda: testing.abs_scale(step, *args),
@@ -338,7 +341,7 @@ def test_rolled_per_layer_weights_share_the_scan_bodys_dims(mesh, rolled_gpt):
     vg, args, _, _ = rolled_gpt
     searched = {}
     for how, params in (("per layer", args[0]), ("stacked", jb.stack_layers(args[0]))):
-        f = jb.jit(vg, mesh=mesh)
+        f = jb.jit(vg, mesh=mesh, reroll=ROLLED)
         f.lower(params, *args[1:])
         cm = f.plan.model
         searched[how] = {cm.g.key_names[k] for k in _search.search_space(cm)[0]}
