@@ -211,6 +211,9 @@ def test_a_split_with_another_gradient_rule_keeps_its_rule_through_jb_jit():
                          what="gradient through the rolled program")
 
 
+GPT_LAYERS = 3
+
+
 @functools.cache
 def _gpt():
     """The library GPT's AdamW step (returning its gradients too), per-layer
@@ -219,11 +222,12 @@ def _gpt():
     import optax
     from flax import nnx
 
-    from jaxbackend import nn, passes
+    from jaxbackend import nn
     from jaxbackend.models import GPT, GPTConfig
 
-    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layers=passes.REROLL_MIN_REPEATS,
-                          embd=16, heads=2), rngs=nnx.Rngs(0))
+    # 3 layers: stacked layers roll from 2 (`reroll`), under the per-layer minimum
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layers=GPT_LAYERS, embd=16, heads=2),
+                rngs=nnx.Rngs(0))
     params, loss_fn = nn.functional(model, "loss")
     stacked, _ = nn.functional(model, "loss", stacked=True)
     tx = optax.adamw(1e-2)
@@ -244,11 +248,9 @@ def _gpt():
 
 
 def test_gpt_adamw_step_over_stacked_params_equals_the_per_layer_step():
-    from jaxbackend import passes
-
     step, args, want, scale = _gpt()
     assert isinstance(args[0]["blocks"], jb.Stacked)
-    assert len(args[0]["blocks"]) == passes.REROLL_MIN_REPEATS
+    assert len(args[0]["blocks"]) == GPT_LAYERS
     f = jb.jit(step)
     got = f(*args)
     assert "reroll.runs: 2" in str(f.last_report)
@@ -256,13 +258,13 @@ def test_gpt_adamw_step_over_stacked_params_equals_the_per_layer_step():
 
 
 def test_gpt_over_stacked_params_under_a_mesh_never_shards_the_layer_axis():
-    from jaxbackend import passes, sharding
+    from jaxbackend import sharding
 
     step, args, want, scale = _gpt()
     mesh = sharding.auto_mesh((2, 4), ("data", "model"))
     f = jb.jit(step, mesh=mesh)
     got = f(*args)
-    n = passes.REROLL_MIN_REPEATS
+    n = GPT_LAYERS
     layer_axes = [spec[0] if len(spec) else None for spec, leaf in
                   zip(f.plan.in_specs(), jax.tree.leaves(args)) if leaf.ndim and leaf.shape[0] == n]
     assert len(layer_axes) >= 2 * 16 and all(a is None for a in layer_axes), layer_axes
