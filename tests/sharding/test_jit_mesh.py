@@ -294,8 +294,8 @@ def rolled_gpt():
     import functools
 
     # ROLLED layers, rolled by `jb.jit(..., reroll=ROLLED)` in the tests (the
-    # default minimum, 5, is tested in tests/test_jit.py; 3 layers compile
-    # and take their abs_scale in half the time)
+    # default minimum, passes.REROLL_MIN_REPEATS, is tested in test_jit.py; 3
+    # layers compile and take their abs_scale in half the time)
     vg, args = _gpt_step(ROLLED)
     want = jax.jit(vg)(*args)
     scale = functools.cache(lambda: testing.abs_scale(vg, *args))
