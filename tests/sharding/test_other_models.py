@@ -64,40 +64,6 @@ class _LocalGlobal(nnx.Module):
     loss = _Mixer.loss
 
 
-class _ScanBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.n1 = nnx.LayerNorm(EMBD, rngs=rngs)
-        self.att = nnx.MultiHeadAttention(4, EMBD, decode=False, rngs=rngs)
-        self.n2 = nnx.LayerNorm(EMBD, rngs=rngs)
-        self.w1 = nnx.Linear(EMBD, 4 * EMBD, rngs=rngs)
-        self.w2 = nnx.Linear(4 * EMBD, EMBD, rngs=rngs)
-
-    def __call__(self, x):
-        x = x + self.att(self.n1(x), mask=nnx.make_causal_mask(jnp.ones(x.shape[:2])))
-        return x + self.w2(jax.nn.gelu(self.w1(self.n2(x))))
-
-
-class _NnxScan(nnx.Module):
-    # plain Flax, no dim names: Flax's own scan-over-layers pattern
-    def __init__(self, rngs):
-        self.emb = nnx.Embed(64, EMBD, rngs=rngs)
-
-        @nnx.split_rngs(splits=LAYERS)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs):
-            return _ScanBlock(rngs)
-
-        self.blocks, self.norm = blocks(rngs), nnx.LayerNorm(EMBD, rngs=rngs)
-
-    def loss(self, x, y):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(h, block):
-            return block(h)
-
-        logits = self.emb.attend(self.norm(run(self.emb(x), self.blocks)))
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
 def _residual_mlp_loss(p, x, y):
     z = x @ p["emb"]
     for layer in p["layers"]:
@@ -111,12 +77,10 @@ def _setup(name):
         model = (_Mixer if name == "mixer" else _LocalGlobal)(nnx.Rngs(0))
         params, loss = nn.functional(model, "loss")
         batch = (jax.random.normal(k1, (BATCH, SEQ, 8)), jax.random.normal(k2, (BATCH, SEQ, 8)))
-    elif name == "nnx-scan":
-        graphdef, params = nnx.split(_NnxScan(nnx.Rngs(0)), nnx.Param)
+    elif name == "nnx-scan":   # plain Flax, no dim names: Flax's own scan-over-layers
+        from benchmarks.nnx_scan_depth import model as scan_lm
 
-        def loss(params, x, y):
-            return nnx.merge(graphdef, params).loss(x, y)
-
+        _, params, loss = scan_lm(LAYERS, embd=EMBD, heads=4, mlp=4 * EMBD, vocab=64)
         x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
         batch = (x, jnp.roll(x, -1, axis=1))
     else:
