@@ -98,6 +98,37 @@ def sized_main(argv, *, doc: str, sizes, quick_sizes, run, render, section: str,
     return 0
 
 
+def compile_dp_or_planned(step, params, tx, batch: tuple, hand: bool, **jb_jit_kw):
+    """`step(params, opt_state, *batch)` (an optax `tx` step) compiled on a
+    (2, 4) mesh of 8 devices: by `jax.jit` on inputs placed for data
+    parallelism (`hand`: the batch on both mesh axes, weights replicated;
+    placed before the clock, placement is not compile time), else by
+    `jb.jit(step, mesh=, **jb_jit_kw)`. Returns (compiled, the jitted
+    function, (params, opt_state) and the batch as compiled, a dict of
+    `seconds` from trace to executable and the per-device collective `mib`)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import jaxbackend as jb
+    from jaxbackend import sharding
+
+    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
+    if hand:
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "model"))))
+        opt_state = jax.jit(tx.init)(params)
+        f = jax.jit(step)
+    else:
+        opt_state = tx.init(params)
+        f = jb.jit(step, mesh=mesh, **jb_jit_kw)
+    t0 = time.perf_counter()
+    compiled = f.lower(params, opt_state, *batch).compile()
+    out = {"seconds": time.perf_counter() - t0}
+    col = sharding.hlo_collectives(compiled.as_text())
+    out["mib"] = sum(v["bytes"] for v in col.values()) / 2**20
+    return compiled, f, (params, opt_state), batch, out
+
+
 def table(headers, rows) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:

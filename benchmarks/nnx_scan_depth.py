@@ -27,7 +27,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -86,9 +85,8 @@ def model(layers: int, embd: int = D, heads: int = H, mlp: int = F, vocab: int =
 def run_point(kind: str, layers: int) -> dict:
     import jax
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    import jaxbackend as jb
+    from benchmarks import _report
     from jaxbackend import sharding
 
     _, params, loss = model(layers)
@@ -100,21 +98,8 @@ def run_point(kind: str, layers: int) -> dict:
         return optax.apply_updates(params, updates), opt_state, value
 
     x = jax.random.randint(jax.random.key(1), (B, T), 0, V)
-    batch = (x, jax.numpy.roll(x, -1, axis=1))
-    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
-    if kind == "hand":     # placed before the clock: placement is not compile time
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "model"))))
-        opt_state = jax.jit(tx.init)(params)
-        f = jax.jit(step)
-    else:
-        opt_state = tx.init(params)
-        f = jb.jit(step, mesh=mesh)
-    t0 = time.perf_counter()
-    compiled = f.lower(params, opt_state, *batch).compile()
-    out = {"seconds": time.perf_counter() - t0}
-    col = sharding.hlo_collectives(compiled.as_text())
-    out["mib"] = sum(v["bytes"] for v in col.values()) / 2**20
+    compiled, f, _, _, out = _report.compile_dp_or_planned(
+        step, params, tx, (x, jax.numpy.roll(x, -1, axis=1)), kind == "hand")
     out["memory"] = sharding.hlo_memory(compiled)["total"]
     if kind != "hand":
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}

@@ -31,7 +31,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -115,35 +114,20 @@ def _model(layers: int):
 
 
 def run_point(kind: str, layers: int, steps: int) -> dict:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    import jaxbackend as jb
-    from jaxbackend import sharding
+    from benchmarks import _report
 
     params, tx, step, batch = _model(layers)
-    mesh = sharding.auto_mesh((2, 4), ("data", "model"))
     if kind == "stacked":
+        import jaxbackend as jb
+
         params = jb.stack_layers(params)
-    if kind == "hand":     # placed before the clock: placement is not compile time
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "model"))))
-        opt_state = jax.jit(tx.init)(params)
-        f = jax.jit(step)
-    else:               # "h100": the plan a mesh of H100s gets (its bytes, compiled here)
-        opt_state = tx.init(params)
-        f = jb.jit(step, mesh=mesh, profile="h100" if kind == "h100" else None)
-    t0 = time.perf_counter()
-    compiled = f.lower(params, opt_state, *batch).compile()
-    out = {"seconds": time.perf_counter() - t0}
-    col = sharding.hlo_collectives(compiled.as_text())
-    out["mib"] = sum(v["bytes"] for v in col.values()) / 2**20
+    # "h100": the plan a mesh of H100s gets (its bytes, compiled here)
+    compiled, f, state, batch, out = _report.compile_dp_or_planned(
+        step, params, tx, batch, kind == "hand", **({"profile": "h100"} if kind == "h100" else {}))
     if kind != "hand":
         out["rules"] = {k: v for k, v in f.plan.rules.items() if v}
     if steps:
-        from benchmarks import _report
-
-        out["step_seconds"] = _report.step_seconds(compiled, (params, opt_state), batch, steps)
+        out["step_seconds"] = _report.step_seconds(compiled, state, batch, steps)
     return out
 
 
