@@ -126,3 +126,62 @@ def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     got, want = comp(*args)[2:], jax.jit(step)(*args)[2:]
     testing.assert_close(got, want, what=f"{name} loss and grads",
                          scale=lambda: testing.abs_scale(jax.value_and_grad(loss), params, *batch))
+
+
+class _ResBlock(nnx.Module):
+    def __init__(self, c, rngs):
+        self.conv = nnx.Conv(c, c, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(c, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(nnx.relu(self.bn(self.conv(x))))
+
+
+class _ConvNet(nnx.Module):
+    # plain Flax, no dim names: a stem conv, residual conv blocks with batch
+    # norm (training mode: the running statistics are updated) and dropout
+    # (a key per call from the module's own rng stream), a pooled classifier
+    def __init__(self, rngs, c=16):
+        self.stem = nnx.Conv(3, c, (3, 3), rngs=rngs)
+        self.blocks = nnx.List([_ResBlock(c, rngs) for _ in range(LAYERS)])
+        self.head = nnx.Linear(c, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(axis=(1, 2)))
+
+
+def test_searched_step_with_batch_norm_and_dropout(mesh24, capfd):
+    """A step whose model carries state besides its parameters (batch-norm
+    statistics, dropout's rng counter), written the way Flax's docs write
+    one: the rolled, planned step returns the same loss, gradients and new
+    state as jax.jit's on one device."""
+    gd, params, rest = nnx.split(_ConvNet(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+    tx = optax.adamw(1e-3)
+
+    def loss_grads_state(params, rest, x, y):
+        model = nnx.merge(gd, params, rest)
+        value, grads = nnx.value_and_grad(
+            lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+        return value, grads, nnx.state(model, nnx.Not(nnx.Param))
+
+    def step(params, rest, opt_state, x, y):
+        value, grads, rest = loss_grads_state(params, rest, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, grads, rest
+
+    k1, k2 = jax.random.split(jax.random.key(1))
+    batch = (jax.random.normal(k1, (BATCH, 8, 8, 3)), jax.random.randint(k2, (BATCH,), 0, 10))
+    args = (params, rest, tx.init(params), *batch)
+    f = jb.jit(step, mesh=mesh24)
+    comp = f.lower(*args).compile()
+    assert REMAT not in capfd.readouterr().err
+    rolled = [s.matches for s in f.last_report.stats if s.name == "reroll"][0]
+    assert rolled["reroll.blocks_rolled"] >= 2 * LAYERS, rolled   # forward and backward
+    assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.2)
+    got, want = comp(*args)[2:], jax.jit(step)(*args)[2:]
+    testing.assert_close(got, want, what="loss, grads and new batch statistics",
+                         scale=lambda: testing.abs_scale(loss_grads_state, params, rest, *batch))
