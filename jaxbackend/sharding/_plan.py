@@ -75,9 +75,11 @@ def dims_of(tree) -> list:
 def paths_of(tree) -> list:
     """Per flat leaf of `tree` (NamedArrays are leaves): where it sits, as
     the user wrote it: `args[0]['blocks'][1]['w1']` for a positional
-    argument of `(args, kwargs)`, `x` or `x['w']` for a keyword one."""
+    argument of `(args, kwargs)`, `x` or `x['w']` for a keyword one. The
+    `.value` key a Flax variable adds to its leaf's path is left out
+    (`args[0]['bn']['bias']`, as a user indexes an `nnx.split` state)."""
     out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_named)[0]:
+    for path in _leaf_paths(tree):
         head, rest = path[:2], jax.tree_util.keystr(path[2:])
         if len(head) == 2 and getattr(head[0], "idx", None) == 0:      # (args, kwargs)[0][i]
             out.append(f"args[{head[1].idx}]{rest}")
@@ -85,6 +87,23 @@ def paths_of(tree) -> list:
             out.append(f"{head[1].key}{rest}")
         else:
             out.append(jax.tree_util.keystr(path) or "arg")
+    return out
+
+
+def _leaf_paths(tree) -> list:
+    """The key path of each flat leaf of `tree` (NamedArrays are leaves),
+    without a Flax variable's own leading `.value` key."""
+    from jaxbackend.nn import _params   # here: nn imports this package
+
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))[0]:
+        if not _params._is_var(x):
+            out.append(path)
+            continue
+        for sub, _ in jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_named)[0]:
+            value = sub and isinstance(sub[0], jax.tree_util.GetAttrKey) and sub[0].name == "value"
+            out.append(path + tuple(sub[1:] if value else sub))
     return out
 
 

@@ -157,6 +157,32 @@ def test_a_rule_may_name_a_dim_by_any_input_axis_that_holds_it(mesh):
                                        "args[0]['w2']:0": "data"}).lower(p, x)
 
 
+def test_a_flax_state_dim_is_named_by_its_path_as_a_user_indexes_it(mesh):
+    # an nnx.split state's leaves sit under each variable's `.value`; the
+    # name is the path a user indexes (`params['kernel']`), and a rule
+    # spelled so shards that dim
+    from flax import nnx
+
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    gd, params = nnx.split(model)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(nnx.merge(gd, params)(x)))
+
+    f = jb.jit(loss, mesh=mesh, rules={"args[0]['kernel']:1": "model", "args[1]:0": "data"})
+    testing.assert_close(f(params, x), loss(params, x),
+                         scale=lambda: testing.abs_scale(loss, params, x))
+    names = set(f.plan.model.g.key_names)
+    # the kernel's columns are the bias's dim, named after the first input
+    # holding it (the state lists 'bias' first)
+    assert {"args[0]['bias']:0", "args[0]['kernel']:0"} <= names, names
+    assert not [n for n in names if ".value" in n], names
+    assert f.plan.rules["args[0]['bias']:0"] == "model"
+    assert f.plan.in_specs()[:2] == [jax.sharding.PartitionSpec("model"),
+                                     jax.sharding.PartitionSpec(None, "model")]
+
+
 def test_a_rule_sharding_the_axis_a_scan_runs_over_says_so(mesh):
     def f(w, xs):     # time-major: the scan runs over xs's leading axis
         return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((8, 16)), xs)[0]
