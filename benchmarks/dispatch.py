@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxbackend as jb  # noqa: E402
+from jaxbackend import testing  # noqa: E402
 from benchmarks import _report  # noqa: E402
 
 
@@ -78,8 +79,8 @@ def _sample(f, args, number):
 def measure(fn, args, samples, number):
     fa, fb = jax.jit(fn), jb.jit(fn)
     ref, got = fa(*args), fb(*args)
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
-        assert jnp.allclose(a, b), "jb.jit and jax.jit disagree"
+    testing.assert_close(got, ref, what="jb.jit vs jax.jit",
+                         scale=lambda: testing.abs_scale(fn, *args))
     for _ in range(3):  # warm both fast paths
         _sample(fa, args, number)
         _sample(fb, args, number)
