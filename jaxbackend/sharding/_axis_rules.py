@@ -14,6 +14,9 @@ Flax logical axis rules. This module is the one place that reads them:
   earlier dim left unused (a plan's per-tensor exception);
 * `check_divisible`: every dim's size divides by the size of its axes, or
   one `DimError` (a ValueError) worded the same for parameters and programs;
+* `split_unused`: the rules naming a dim of a program, and the names of
+  the others (a rule set written for a family of models; a misspelling of
+  one of the program's dims is an error instead);
 * `to_masks`: rules -> one mesh-axis bit mask per key of a sharding graph
   (the search's representation), merged dims taking their major factor's.
 
@@ -22,6 +25,7 @@ Rules are read, never changed: every function returns a new value.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Mapping, Union
 
@@ -109,6 +113,37 @@ def check_divisible(named_shapes, rules: Rules, axis_sizes: Mapping[str, int]) -
     for where, dims, shape in named_shapes:
         for d, n, axes in zip(dims, shape, spec_for_dims(dims, rules)):
             check_size(d, n, axes, axis_sizes, where)
+
+
+def split_unused(rules: Rules, graph) -> tuple[dict, list]:
+    """(the rules that name a dim of `graph`, a sharding graph; the names of
+    the others, sorted).
+
+    Rules are a table, as Flax's logical axis rules and Levanter's axis
+    mapping are: a set written once for a family of models names dims a
+    given program lacks (`vocab` in a ViT, `kv_head` without grouped
+    heads), and those rules go unused, as there. A name that is not a dim
+    of the program but close to one of its dim names (`layer` for
+    `layers`, `bacth` for `batch`) is taken for a misspelling: ValueError
+    naming both. A name split by a reshape stays in the rules (`to_masks`
+    says which factor to name)."""
+    g = graph
+    known = set(g.key_names) | set(g.key_alias) | set(g.path_alias) | set(g.path_factors)
+    unknown = sorted(set(rules) - known)
+    plain = sorted(n for n in set(g.key_names) | set(g.key_alias) if _plain(n))
+    for n in unknown:
+        near = difflib.get_close_matches(n, plain, n=1, cutoff=0.8) if _plain(n) else []
+        if near:
+            raise ValueError(f"rules: {n!r} names no dim of this program; did you mean "
+                             f"{near[0]!r}? Its dims are {sorted(known - set(g.path_alias))}; "
+                             f"fix the spelling (a rule for a dim the program lacks is unused).")
+    return {d: a for d, a in rules.items() if d not in unknown}, unknown
+
+
+def _plain(name: str) -> bool:
+    """A dim name a user writes (`batch`), not one made from an argument
+    path or an equation (`args[0]['w']:1`, `gather@model.py:88:0`)."""
+    return name.isidentifier()
 
 
 def to_masks(rules: Rules, graph, mesh) -> list[int]:

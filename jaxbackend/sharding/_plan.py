@@ -31,6 +31,7 @@ keeps it on the first (listed in `plan.exceptions`).
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -135,6 +136,7 @@ class Plan:
         self.rules.update({a: self.rules[g.key_names[k]] for a, k in g.key_alias.items()
                            if g.key_names[k] in self.rules})
         self.cost = cm.evaluate(self.masks)
+        self.unused_rules: list = []   # given rules naming no dim of the program
         self.exceptions = []
         for i, v in enumerate(g.invars):
             keys = cm.var_keys[v]
@@ -302,6 +304,9 @@ class Plan:
                          f"of the least modelled time ({st['least_time'] * 1e3:.4g} ms)")
         for where, dim, axes in self.exceptions:
             lines.append(f"exception: {where}: {dim} not on {axes} (axis used by an earlier dim)")
+        if self.unused_rules:
+            lines.append(f"unused rules (no such dim in this program): "
+                         f"{', '.join(self.unused_rules)}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -323,7 +328,9 @@ class Plan:
                              "modelled cost per step, per device")]
         st = self.stats
         if not st:
-            parts.append(_html.note("rules given, not searched"))
+            unused = (f"; unused (no such dim in this program): {', '.join(self.unused_rules)}"
+                      if self.unused_rules else "")
+            parts.append(_html.note("rules given, not searched" + unused))
         else:
             proven = ("proven optimal" if st.get("optimal")
                       else f"NOT proven optimal ({st.get('why')})")
@@ -371,8 +378,15 @@ def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profi
     if rules is not None:   # (the search checks its budget itself)
         if memory_budget is not None:
             memory_budget = _search.check_budget(memory_budget)
-        masks = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
+        rules, unused = _axis_rules.split_unused(_axis_rules.normalize(rules), graph)
+        if unused:
+            warnings.warn(f"sharding rules for {unused}: this program has no such dims, so "
+                          f"those rules are unused (its dims: "
+                          f"{sorted(set(graph.key_names) | set(graph.key_alias))}).",
+                          stacklevel=2)
+        masks = _axis_rules.to_masks(rules, graph, spec)
         plan = Plan(spec, cm, masks, closed, in_tree, out_tree)
+        plan.unused_rules = unused
         if memory_budget is not None and plan.cost.memory > memory_budget:
             raise _search.NoPlanFits(
                 f"sharding.plan: the given rules need {size_text(plan.cost.memory)} per device, "

@@ -380,7 +380,8 @@ def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
     names = set(f.plan.model.g.key_names)
     assert "layers" in names, sorted(names)
     assert not [n for n in names if ".py:" in n], sorted(names)
-    with pytest.raises(ValueError, match=r"name no dim of this program.*'layers'"):
+    with pytest.raises(ValueError, match=r"'layer' names no dim of this program; did you mean "
+                                         r"'layers'\?"):
         jb.jit(jax.grad(loss), mesh=mesh, rules={"layer": "data"}).lower(*args)
 
 

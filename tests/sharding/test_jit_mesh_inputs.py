@@ -183,6 +183,34 @@ def test_a_flax_state_dim_is_named_by_its_path_as_a_user_indexes_it(mesh):
                                      jax.sharding.PartitionSpec(None, "model")]
 
 
+def test_rules_for_dims_a_program_lacks_are_unused_and_misspellings_are_errors(mesh):
+    # a hand rule set written for a family of models (Megatron's: head, mlp,
+    # vocab on `model`) given to a model without a vocab or heads, as Flax's
+    # logical axis rules allow; a name close to a dim of the program is a typo
+    from jaxbackend import named as nx
+
+    w = nx.as_named(jnp.ones((16, 32)) / 16, ("embd", "mlp"))
+    x = nx.as_named(jax.random.normal(jax.random.key(0), (8, 16)), ("batch", "embd"))
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(nx.dot(x, w, dim="embd").values))
+
+    rules = {"batch": "data", "head": "model", "mlp": "model", "vocab": "model",
+             "args[5]:0": "data"}
+    f = jb.jit(loss, mesh=mesh, rules=rules)
+    with pytest.warns(UserWarning, match=r"rules for \['args\[5\]:0', 'head', 'vocab'\]: this "
+                                         r"program has no such dims, so those rules are unused"):
+        got = f(w, x)
+    testing.assert_close(got, loss(w, x), scale=lambda: testing.abs_scale(loss, w, x))
+    assert {k: v for k, v in f.plan.rules.items() if v} == {"batch": "data", "mlp": "model"}
+    assert f.plan.unused_rules == ["args[5]:0", "head", "vocab"]
+    assert "unused rules (no such dim in this program): args[5]:0, head, vocab" in f.plan.table()
+    assert "unused (no such dim in this program)" in f.plan._repr_html_()
+    with pytest.raises(ValueError, match=r"'bacth' names no dim of this program; did you mean "
+                                         r"'batch'\?"):
+        jb.jit(loss, mesh=mesh, rules={"bacth": "data"}).lower(w, x)
+
+
 def test_a_rule_sharding_the_axis_a_scan_runs_over_says_so(mesh):
     def f(w, xs):     # time-major: the scan runs over xs's leading axis
         return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((8, 16)), xs)[0]
