@@ -72,7 +72,12 @@ float32, 2**-7 bfloat16, 2**-10 float16) and u = eps/2 the unit roundoff.
    each operation's own rounding (its sum|terms|, or |result| for an
    elementwise op) reaches the outputs times |derivative|, and the
    contributions add in quadrature as in 3. One sum gets exactly sum|terms|,
-   so rtol means the same for a program as for one sum. A product of two
+   so rtol means the same for a program as for one sum. Each op's rounding
+   counts at its own dtype's u, expressed in the output dtype's: a float32
+   loss computed through bfloat16 matmuls (mixed precision) carries their
+   roundings, each 2**16 float32 ones, and is compared at float32's rtol
+   against that larger scale; float32 work under a bfloat16 result counts
+   at its own, 2**16 times finer, size. A product of two
    values that both carry errors (or a power of one) also gets the product
    of the errors, the second-order term (variance u**2 w0 w1 in units of
    u**2): negligible unless the values are themselves rounding noise, where

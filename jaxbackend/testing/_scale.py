@@ -2,9 +2,11 @@
 |terms| each output entry comes from (the package docstring, 2., 3. and 6.).
 
 `abs_scale` evaluates a jaxpr and, next to every float value, the variance
-of its rounding error in units of u**2 (None: exact). Each operation adds
-its own rounding, (sum|terms|)**2 for a sum or contraction and result**2
-for an elementwise op, to the variances it inherits from its operands,
+of its rounding error in units of float32's u**2 (None: exact). Each
+operation adds its own rounding, (sum|terms|)**2 for a sum or contraction
+and result**2 for an elementwise op, times (u/u_float32)**2 for its result's
+dtype (a bfloat16 op rounds 2**16 times coarser), to the variances it
+inherits from its operands,
 weighted by the squared derivative (Higham and Mary's probabilistic
 rounding error analysis: independent zero-mean roundings add in quadrature),
 plus, for a product of two erring values or a power of one, the product of
@@ -57,11 +59,24 @@ def _filled(vals, vs):
 
 
 def _unit(x) -> float:
-    """u = eps / 2, the unit roundoff of x's dtype. The variances here are
-    in units of u**2 (an op's own rounding is result**2), so two errors of
-    variances u**2 w0 and u**2 w1 have a product of variance u**4 w0 w1:
-    (u w0) (u w1) in these units."""
-    return float(jnp.finfo(jnp.result_type(x)).eps) / 2
+    """u = eps / 2, the unit roundoff of x's dtype (its own: under x64, where
+    the variance program runs, jnp.result_type makes a weak float32 float64)."""
+    dtype = getattr(x, "dtype", None)
+    return float(jnp.finfo(jnp.result_type(x) if dtype is None else dtype).eps) / 2
+
+
+# The variances are in units of float32's u**2, whatever the dtypes: an op's
+# own rounding is result**2 * _weight(result), so a float32 result computed
+# through bfloat16 ops (mixed precision) carries their roundings at their
+# size; `abs_scale` converts each output's scale to its own dtype's units.
+# Two errors of variances U**2 w0 and U**2 w1 (U = _REF_UNIT) have a product
+# of variance U**4 w0 w1: (U w0) (U w1) in these units.
+_REF_UNIT = float(jnp.finfo(jnp.float32).eps) / 2
+
+
+def _weight(x) -> float:
+    """(u / u_float32)**2 for x's dtype: its own roundings in these units."""
+    return (_unit(x) / _REF_UNIT) ** 2
 
 
 def _select(pred, a, b):
@@ -144,7 +159,7 @@ def _var_rule(eqn, vals, vs):
                                        unique_indices=prm["unique_indices"], mode=prm["mode"])
             return _jax.bind_eqn_as(eqn, ops, dt)[0].astype(dt)
         absv = [jnp.abs(x).astype(dt) if _is_float(x) else x for x in vals]
-        var = 0 if name == "neg" else jnp.square(op(absv))      # this op's own rounding
+        var = 0 if name == "neg" else jnp.square(op(absv)) * _weight(outs[0])   # its own rounding
         if name in _SUM:
             var = var + op([w.astype(dt) if _is_float(x) else x for x, w in zip(vals, zero)])
         else:
@@ -157,10 +172,10 @@ def _var_rule(eqn, vals, vs):
                 # (second order; the whole error where the factors are
                 # themselves rounding noise, as a gradient that cancels by
                 # symmetry, squared). u on each factor: w0 * w1 may overflow
-                var = var + op([w.astype(dt) * _unit(outs[0]) for w in vs])
+                var = var + op([w.astype(dt) * _REF_UNIT for w in vs])
         return outs, [_clean(outs[0], var)]
     if name in _ELEMENTWISE:
-        var = jnp.square(outs[0].astype(dt))
+        var = jnp.square(outs[0].astype(dt)) * _weight(outs[0])
         for i, w in enumerate(vs):
             if w is not None:
                 def f(xi, i=i):
@@ -174,12 +189,12 @@ def _var_rule(eqn, vals, vs):
             # is the whole error where x is itself rounding noise
             w = vs[0].astype(dt)
             curve = power * (power - 1) * jnp.abs(vals[0]).astype(dt) ** (power - 2)
-            var = var + 0.5 * jnp.square(curve * w * _unit(outs[0]))
+            var = var + 0.5 * jnp.square(curve * w * _REF_UNIT)
         return outs, [_clean(outs[0], var)]
     # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
     # largest variance of an operand (assumes it does not amplify errors).
     carried = sum((jnp.max(w) for w in vs if w is not None), jnp.float32(0))
-    return outs, [_clean(o, jnp.square(o.astype(_VDTYPE)) + carried.astype(_VDTYPE))
+    return outs, [_clean(o, jnp.square(o.astype(_VDTYPE)) * _weight(o) + carried.astype(_VDTYPE))
                   if f else None for o, f in zip(outs, floats)]
 
 
@@ -247,7 +262,10 @@ def abs_scale(fn, *args):
     to the outputs by |derivative| and added in quadrature (independent
     zero-mean roundings; Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019),
     so one sum gets exactly sum|terms| and `rtol` means the same for both.
-    Inputs are exact. Calls, custom_jvp/vjp (their primal), checkpoint,
+    An op's rounding counts at its own dtype's size, in the output's units:
+    a float32 loss computed through bfloat16 matmuls (mixed precision) gets
+    their bfloat16 roundings, 2**16 float32 ones each; float32 work under a
+    bfloat16 result counts at its own, finer size. Inputs are exact. Calls, custom_jvp/vjp (their primal), checkpoint,
     scan, cond and while are followed; data movement and max/min move the
     scale; operations it does not know (sort, callbacks, ...) add their own
     rounding to their operands' largest. Non-finite outputs get 0 (their
@@ -268,8 +286,10 @@ def abs_scale(fn, *args):
         lowered = jax.jit(lambda *xs: [None if v is None else jnp.sqrt(v) for v in
                                        _var_eval(closed, xs, [None] * len(xs))[1]]).lower(*leaves)
         scales = _compile_fast(lowered)(*leaves)
+    # each output's scale in its own dtype's units (what its rtol multiplies)
     return jax.tree.unflatten(jax.tree.structure(shape),
-                              [np.zeros(o.shape) if s is None else np.asarray(s, np.float64)
+                              [np.zeros(o.shape) if s is None
+                               else np.asarray(s, np.float64) * (_REF_UNIT / _unit(o.dtype))
                                for o, s in zip(jax.tree.leaves(shape), scales)])
 
 

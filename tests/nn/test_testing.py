@@ -138,6 +138,46 @@ def test_abs_scale_of_a_pow_by_a_float_literal_on_a_weak_typed_value():
     assert np.isfinite(scale) and scale > abs(float(schedule(3)))
 
 
+def test_each_rounding_counts_at_its_own_dtypes_size():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    x = jnp.float32(1.0)                   # exact in both dtypes
+    # two bfloat16 roundings (the narrowing convert, the product), each
+    # 2**16 float32 roundings, in a float32 result's units
+    up = testing.abs_scale(lambda x: (x.astype(bf16) * 3).astype(f32), x)
+    np.testing.assert_allclose(up, 2.0 ** 16 * 3 * np.sqrt(2), rtol=1e-12)
+    # the same roundings in a bfloat16 result's units
+    same = testing.abs_scale(lambda x: x.astype(bf16) * 3, x)
+    np.testing.assert_allclose(same, 3 * np.sqrt(2), rtol=1e-12)
+    # float32 work under a bfloat16 result counts at its own, finer size
+    down = testing.abs_scale(lambda x: (x * 3).astype(bf16), x)
+    np.testing.assert_allclose(down, 3 * np.sqrt(1 + 2.0 ** -32), rtol=1e-12)
+
+
+def test_a_mixed_precision_loss_is_judged_at_its_bfloat16_roundings():
+    # the loss is float32, its matmul's result bfloat16. XLA:CPU keeps that
+    # result in float32 (excess precision); a GPU rounds it to bfloat16, as
+    # `rounded` does: two evaluations equal within the error model, not
+    # within float32 roundings
+    kx, kw = jax.random.split(jax.random.key(0))
+    x, w = jax.random.normal(kx, (16, 64)), jax.random.normal(kw, (64, 32)) / 8
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def loss(x, w):
+        return jnp.mean(jnp.tanh((x.astype(bf16) @ w.astype(bf16)).astype(f32)))
+
+    def rounded(x, w):
+        y = x.astype(bf16).astype(f32) @ w.astype(bf16).astype(f32)
+        return jnp.mean(jnp.tanh(y.astype(bf16).astype(f32)))
+
+    got, want = jax.jit(rounded)(x, w), jax.jit(loss)(x, w)
+    with pytest.raises(AssertionError, match="differ by more than"):
+        testing.assert_close(got, want)            # max|loss|: float32 roundings only
+    scale = testing.abs_scale(loss, x, w)
+    testing.assert_close(got, want, scale=scale)
+    with pytest.raises(AssertionError, match="differ by more than"):   # still not anything
+        testing.assert_close(got + 0.1, want, scale=scale)
+
+
 def test_exact_kinds_and_patterns():
     testing.assert_close(jnp.array([1, 2], jnp.int32), np.array([1, 2]))
     with pytest.raises(AssertionError, match="integer/bool values differ"):
