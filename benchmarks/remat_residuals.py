@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         return 0
     dims, depths = dict(embd=128, seq=128, batch=8), [8, 32]
     if a.quick:
-        dims, depths, a.repeat, a.rounds = dict(embd=32, seq=16, batch=2), [6], 1, 1
+        dims, depths, a.repeat, a.rounds = dict(embd=32, seq=16, batch=2), [5], 1, 1
     # the quick smoke run stays in this process (a fresh one per point is
     # for timing, which it does not judge)
     measure = ((lambda m, d: run_point(m, d, dims, a.rounds)) if a.quick

@@ -98,7 +98,7 @@ def test_explain_errors_name_the_fix(capsys):
 
 
 def test_remat_residuals_quick_never_costs_memory(capsys, monkeypatch):
-    """The quick run's three models at 6 layers (rolled): the pass stores
+    """The quick run's three models at 5 layers (rolled): the pass stores
     fewer stacked residuals and never more memory (runtime, judged by the
     full run, is too noisy at these sizes)."""
     out = _quick("remat_residuals", capsys, monkeypatch)
