@@ -38,7 +38,13 @@ Rules = Mapping[str, Axes]
 
 
 def normalize(rules) -> dict[str, Axes]:
-    """dict dim -> mesh axis (str), tuple of two or more axes, or None."""
+    """dict dim -> mesh axis (str), tuple of two or more axes, or None.
+
+    In a sequence of pairs (Flax's and MaxText's logical axis rules) a dim
+    may appear more than once; Flax reads such a list in order and gives
+    the dim its first rule whose axes the tensor's earlier dims left free,
+    so the first rule is the dim's (where an earlier dim took those axes,
+    `spec_for_dims` leaves it unsharded instead of trying the next one)."""
     if hasattr(rules, "rules"):
         rules = rules.rules
     if rules is None:
@@ -67,7 +73,7 @@ def normalize(rules) -> dict[str, Axes]:
                             f"of names or None; e.g. {{{dim!r}: 'data'}}.")
         if isinstance(axis, tuple) and len(axis) <= 1:  # () = replicated, ("x",) = "x"
             axis = axis[0] if axis else None
-        out[dim] = axis
+        out.setdefault(dim, axis)   # the first rule for a dim is its own (see above)
     return out
 
 

@@ -209,6 +209,11 @@ def test_rules_for_dims_a_program_lacks_are_unused_and_misspellings_are_errors(m
     with pytest.raises(ValueError, match=r"'bacth' names no dim of this program; did you mean "
                                          r"'batch'\?"):
         jb.jit(loss, mesh=mesh, rules={"bacth": "data"}).lower(w, x)
+    # a list of pairs in Flax's (MaxText's) style: a dim's first rule is its
+    # own, the later ones are fallbacks
+    f = jb.jit(loss, mesh=mesh, rules=[("batch", "data"), ("mlp", "model"), ("mlp", "data")])
+    f.lower(w, x)
+    assert {k: v for k, v in f.plan.rules.items() if v} == {"batch": "data", "mlp": "model"}
 
 
 def test_a_rule_sharding_the_axis_a_scan_runs_over_says_so(mesh):
