@@ -1,7 +1,9 @@
 """jb.jit(mesh=) on the arguments users give it: static values of other
 types, a batch split into micro-batches inside the step, Flax variables
-with logical axis names (and stacked by jb.stack_layers), rules naming a
-dim by any input axis holding it, and one naming a scan's axis."""
+with logical axis names (and stacked by jb.stack_layers), a Flax state's
+dims named by the path a user indexes, rules naming a dim by any input
+axis holding it, rules for dims the program lacks (and misspelt ones),
+and one naming a scan's axis."""
 
 import jax
 import jax.numpy as jnp

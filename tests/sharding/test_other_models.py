@@ -4,8 +4,9 @@ SwiGLU), sliding-window and global attention layers alternating, and a
 residual MLP in plain jnp (its dims named after argument paths), with
 per-layer params (rolled) and stacked ones (`jb.stack_layers`); and a plain
 Flax NNX transformer written the way Flax recommends for depth (blocks made
-by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author). An
-AdamW step each: the loss and gradients equal jax.jit's on one device, the
+by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author); and a
+plain Flax CNN with batch norm and dropout (state besides the parameters,
+returned updated). An AdamW step each: the loss and gradients equal jax.jit's on one device, the
 step compiles without XLA rematerialising a tensor, and the memory the plan
 predicts is XLA's within the issue's 20%."""
 
