@@ -152,45 +152,45 @@ def _plain(name: str) -> bool:
     return name.isidentifier()
 
 
+def _fold(rules: dict, alias: str, into: str, clash) -> None:
+    """rules[alias] becomes rules[into] (another spelling of one dim);
+    ValueError(clash()) where both are given, differently."""
+    if into in rules and rules[into] != rules[alias]:
+        raise ValueError(clash())
+    rules[into] = rules.pop(alias)
+
+
 def to_masks(rules: Rules, graph, mesh) -> list[int]:
     """One mesh-axis mask per key of `graph` (a sharding graph) under `rules`
     on `mesh` (a MeshSpec). A rule for a merged dim (a reshape of several
     dims) applies to its major factor, the key it is laid out by."""
     g = graph
-    known = set(g.key_names) | set(g.key_alias)
-    unknown = sorted(set(rules) - known - set(g.path_alias))
-    merged = [n for n in unknown if n in g.path_factors]
+    rules, _ = split_unused(rules, g)   # a rule for an absent dim is unused; a typo raises
+    merged = [n for n in rules if n in g.path_factors and n not in g.path_alias
+              and n not in g.key_names and n not in g.key_alias]
     if merged:
         n, parts = merged[0], g.path_factors[merged[0]]
         raise ValueError(
             f"rules: {n!r} is split by a reshape in the program into the dims {list(parts)} "
             f"(a batch into micro-batches, say): a plan shards those, not it; name the one to "
             f"shard (rules={{{parts[-1]!r}: ...}} shards the last).")
-    if unknown:
-        raise ValueError(f"rules: {unknown} name no dim of this program, whose dims are "
-                         f"{sorted(known)}; fix the spelling or drop those rules.")
-    rules = dict(rules)
     given_as: dict = {}   # the plan's name of a dim -> the spelling a rule used
     for alias in [a for a in rules if a in g.path_alias]:   # another input axis of one dim
         name = g.key_names[g.path_alias[alias]]
-        if name in rules and rules[name] != rules[alias]:
-            other = given_as.get(name, name)
-            raise ValueError(
-                f"rules: {alias!r} and {other!r} are one dim of the plan (called {name!r}), "
-                f"but the rules give {alias!r} -> {rules[alias]!r} and {other!r} -> "
-                f"{rules[name]!r}; give one of them, or both the same axes.")
-        rules[name] = rules.pop(alias)
+        other = given_as.get(name, name)
+        _fold(rules, alias, name, lambda: (
+            f"rules: {alias!r} and {other!r} are one dim of the plan (called {name!r}), "
+            f"but the rules give {alias!r} -> {rules[alias]!r} and {other!r} -> "
+            f"{rules[name]!r}; give one of them, or both the same axes."))
         given_as.setdefault(name, alias)
-    for alias, k in g.key_alias.items():
+    for alias, k in g.key_alias.items():   # a merged dim: laid out as its major factor
         if alias in rules:
             major = g.key_names[k]
-            if major in rules and rules[major] != rules[alias]:
-                raise ValueError(
-                    f"rules: dim {alias!r} is a reshape of dims whose major factor is {major!r}, "
-                    f"so it is sharded as {major!r}, but the rules give {alias!r} -> "
-                    f"{rules[alias]!r} and {major!r} -> {rules[major]!r}; give one of them, or "
-                    f"both the same axes.")
-            rules[major] = rules.pop(alias)
+            _fold(rules, alias, major, lambda: (
+                f"rules: dim {alias!r} is a reshape of dims whose major factor is {major!r}, "
+                f"so it is sharded as {major!r}, but the rules give {alias!r} -> "
+                f"{rules[alias]!r} and {major!r} -> {rules[major]!r}; give one of them, or "
+                f"both the same axes."))
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     masks = [0] * len(g.key_names)
     for k, name in enumerate(g.key_names):
