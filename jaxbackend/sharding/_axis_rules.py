@@ -18,7 +18,8 @@ Flax logical axis rules. This module is the one place that reads them:
   the others (a rule set written for a family of models; a misspelling of
   one of the program's dims is an error instead);
 * `to_masks`: rules -> one mesh-axis bit mask per key of a sharding graph
-  (the search's representation), merged dims taking their major factor's.
+  (the search's representation), merged dims taking their major factor's,
+  and the names `split_unused` left unused.
 
 Rules are read, never changed: every function returns a new value.
 """
@@ -160,12 +161,13 @@ def _fold(rules: dict, alias: str, into: str, clash) -> None:
     rules[into] = rules.pop(alias)
 
 
-def to_masks(rules: Rules, graph, mesh) -> list[int]:
-    """One mesh-axis mask per key of `graph` (a sharding graph) under `rules`
-    on `mesh` (a MeshSpec). A rule for a merged dim (a reshape of several
+def to_masks(rules: Rules, graph, mesh) -> tuple[list[int], list[str]]:
+    """(one mesh-axis mask per key of `graph` (a sharding graph) under
+    `rules` on `mesh` (a MeshSpec); the rules' names that no dim of `graph`
+    has, `split_unused`'s). A rule for a merged dim (a reshape of several
     dims) applies to its major factor, the key it is laid out by."""
     g = graph
-    rules, _ = split_unused(rules, g)   # a rule for an absent dim is unused; a typo raises
+    rules, unused = split_unused(rules, g)   # a rule for an absent dim is unused; a typo raises
     merged = [n for n in rules if n in g.path_factors and n not in g.path_alias
               and n not in g.key_names and n not in g.key_alias]
     if merged:
@@ -206,4 +208,4 @@ def to_masks(rules: Rules, graph, mesh) -> list[int]:
                      f"divide each)" if len(ext) > 1 else "")
             check_size(name, g.key_size[k], rules[name], sizes, where)   # names an unknown axis
             masks[k] = mesh.mask(rules[name])
-    return masks
+    return masks, unused

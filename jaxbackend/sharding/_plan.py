@@ -378,13 +378,12 @@ def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profi
     if rules is not None:   # (the search checks its budget itself)
         if memory_budget is not None:
             memory_budget = _search.check_budget(memory_budget)
-        rules, unused = _axis_rules.split_unused(_axis_rules.normalize(rules), graph)
+        masks, unused = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
         if unused:
             warnings.warn(f"sharding rules for {unused}: this program has no such dims, so "
                           f"those rules are unused (its dims: "
                           f"{sorted(set(graph.key_names) | set(graph.key_alias))}).",
                           stacklevel=2)
-        masks = _axis_rules.to_masks(rules, graph, spec)
         plan = Plan(spec, cm, masks, closed, in_tree, out_tree)
         plan.unused_rules = unused
         if memory_budget is not None and plan.cost.memory > memory_budget:
