@@ -16,9 +16,15 @@ an `nnx.List` of blocks), for `other_models.py`:
 * `localglobal`: a decoder whose layers alternate sliding-window (16
   positions) and global causal attention (Gemma 2, Mistral variants), with
   grouped-query attention, rotary positions, RMSNorm and SwiGLU: no two
-  consecutive forward layers are alike, so the forward rolls by pairs.
+  consecutive forward layers are alike, so the forward rolls by pairs;
+* `linen`: a GPT in Flax linen with no dim names at all (`nn.Embed`,
+  `nn.MultiHeadDotProductAttention` with a causal mask, `nn.LayerNorm`,
+  `nn.Dense`, a gelu MLP): per-layer params are linen's `Block_0`,
+  `Block_1`, ... entries; stacked params are linen's own `nn.scan` over the
+  block (`jb.stack_layers` refuses linen's numbered entries and says so).
+  Its hand rule sets name the dims by their paths, as the plan does.
 
-`setup(name, layers)` returns (params, optax tx, step, batch, hand rule
+`setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand rule
 sets); `step(params, opt_state, *batch)` is the AdamW training step.
 """
 
@@ -29,12 +35,13 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+import flax.linen as linen
 from flax import nnx
 
 from jaxbackend import named as nx
 from jaxbackend import nn
 
-MODELS = ("vit", "dit", "moe", "encdec", "localglobal")
+MODELS = ("vit", "dit", "moe", "encdec", "localglobal", "linen")
 
 
 class ViT(nnx.Module):
@@ -188,10 +195,63 @@ class LocalGlobal(nnx.Module):
                                 dim="vocab").values.mean()
 
 
-def setup(name: str, layers: int):
-    """(params, tx, step, batch, hand rule sets) for model `name`."""
+class LinenBlock(linen.Module):
+    heads: int
+
+    @linen.compact
+    def __call__(self, x, _=None):
+        mask = linen.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        x = x + linen.MultiHeadDotProductAttention(self.heads)(linen.LayerNorm()(x), mask=mask)
+        h = linen.Dense(4 * x.shape[-1])(linen.LayerNorm()(x))
+        return x + linen.Dense(x.shape[-1])(linen.gelu(h)), None
+
+
+class LinenGPT(linen.Module):
+    layers: int
+    embd: int
+    heads: int
+    vocab: int
+    scan: bool   # linen's nn.scan over the block: params stacked on a leading axis
+
+    @linen.compact
+    def __call__(self, tokens):
+        x = linen.Embed(self.vocab, self.embd)(tokens)
+        if self.scan:
+            x, _ = linen.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                              length=self.layers)(self.heads)(x, None)
+        else:
+            for _ in range(self.layers):
+                x, _ = LinenBlock(self.heads)(x)
+        return linen.Dense(self.vocab)(linen.LayerNorm()(x))
+
+
+def _linen(layers: int, stacked: bool, batch):
+    """(params, loss, megatron rules) of the linen GPT: its dims are named by
+    path (the plan's names: the first layer's stand for every layer's, and a
+    scanned param's axes count its leading layer axis)."""
+    lm = LinenGPT(layers, 128, 4, 256, stacked)
+    params = jax.jit(lm.init)(jax.random.key(0), batch[0])
+
+    def loss(params, tokens, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(lm.apply(params, tokens),
+                                                               targets).mean()
+
+    block = "['ScanLinenBlock_0']" if stacked else "['LinenBlock_0']"
+    at = "args[0]['params']" + block
+    k = int(stacked)   # a scanned param's own axes start after the layer axis
+    megatron = {"args[2]:0": "data",
+                f"{at}['MultiHeadDotProductAttention_0']['query']['kernel']:{1 + k}": "model",
+                f"{at}['Dense_0']['kernel']:{1 + k}": "model",
+                "args[0]['params']['Embed_0']['embedding']:0": "model"}
+    return params, loss, megatron
+
+
+def setup(name: str, layers: int, stacked: bool = False):
+    """(params, tx, step, batch, hand rule sets) for model `name`; stacked:
+    `jb.stack_layers` of its params (linen: its own `nn.scan`)."""
     tx, r = optax.adamw(1e-3), nnx.Rngs(0)
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    batch_dim = "batch"
     attn = {"batch": "data", "head": "model", "mlp": "model"}
     if name == "vit":
         model = ViT(layers, 128, 4, 4, 32, 10, r)
@@ -218,9 +278,19 @@ def setup(name: str, layers: int):
         batch = (x, jnp.roll(x, -1, axis=1))
         megatron = {"batch": "data", "head": "model", "kv_head": "model", "mlp": "model",
                     "vocab": "model"}
+    elif name == "linen":
+        x = jax.random.randint(k1, (16, 64), 0, 256)
+        batch = (x, jnp.roll(x, -1, axis=1))
+        params, loss, megatron = _linen(layers, stacked, batch)
+        batch_dim = "args[2]:0"
     else:
         raise ValueError(f"setup: model {name!r} is not one of {MODELS}; pick one of those.")
-    params, loss = nn.functional(model, "loss")
+    if name != "linen":
+        params, loss = nn.functional(model, "loss")
+        if stacked:
+            import jaxbackend as jb
+
+            params = jb.stack_layers(params)
 
     def step(params, opt_state, *batch):
         value, grads = jax.value_and_grad(loss)(params, *batch)
@@ -228,5 +298,5 @@ def setup(name: str, layers: int):
         return optax.apply_updates(params, updates), opt_state, value
 
     step.loss = loss
-    hand = {"dp": {"batch": ("data", "model")}, "megatron": megatron}
+    hand = {"dp": {batch_dim: ("data", "model")}, "megatron": megatron}
     return params, tx, step, batch, hand

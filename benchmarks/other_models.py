@@ -3,7 +3,7 @@
 The AdamW training step of each model of `_other_models` (a ViT, an
 adaLN-conditioned DiT, a soft mixture of experts with a load-balancing loss,
 an encoder-decoder with cross-attention, a decoder alternating sliding-window
-and global attention layers), written as a user would, through
+and global attention layers, a GPT in Flax linen), written as a user would, through
 `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
 (`jb.stack_layers`), at 4 and 16 layers:
@@ -25,7 +25,8 @@ per-layer params (the `nnx.List` as it is) and stacked params
   minimises modelled step time, and the table says whether the extra bytes
   bought time.
 
-Run: `python benchmarks/other_models.py` (`--models vit dit` for some,
+Run: `python benchmarks/other_models.py` (`--models vit dit` for some, in
+a section of their own,
 `--repeat N`, `--quick` for a 2-layer smoke run that writes nothing).
 """
 
@@ -54,9 +55,7 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool,
     from benchmarks._other_models import setup
     from jaxbackend import sharding, testing
 
-    params, tx, step, batch, hand = setup(model, layers)
-    if kind == "stacked":
-        params = jb.stack_layers(params)
+    params, tx, step, batch, hand = setup(model, layers, stacked=kind == "stacked")
     opt_state = tx.init(params)
     mesh = sharding.auto_mesh(MESH, ("data", "model"))
     rules = None if rules_name == "search" else hand[rules_name]
@@ -198,8 +197,11 @@ def main(argv=None) -> int:
     if not a.quick:
         from benchmarks import _report
 
-        _report.write_section("other-models", "Sharding and rolling on architectures the "
-                              "benchmarks never use", body)
+        # a subset of the models gets a section of its own: the full table stays
+        subset = "" if a.models == list(_other_models.MODELS) else "-".join(a.models)
+        _report.write_section("other-models" + (f"-{subset}" if subset else ""),
+                              "Sharding and rolling on architectures the benchmarks never use"
+                              + (f" ({', '.join(a.models)})" if subset else ""), body)
     return 0
 
 

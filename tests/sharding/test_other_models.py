@@ -2,19 +2,21 @@
 searched plan: a mixer (a Linear over `time` as the token mixing, RMSNorm,
 SwiGLU), sliding-window and global attention layers alternating, and a
 residual MLP in plain jnp (its dims named after argument paths), with
-per-layer params (rolled) and stacked ones (`jb.stack_layers`); and a plain
+per-layer params (rolled) and stacked ones (`jb.stack_layers`); a plain
 Flax NNX transformer written the way Flax recommends for depth (blocks made
-by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author); and a
-plain Flax CNN with batch norm and dropout (state besides the parameters,
-returned updated). An AdamW step each: the loss and gradients equal jax.jit's on one device, the
-step compiles without XLA rematerialising a tensor, and the memory the plan
-predicts is XLA's within the issue's 20%."""
+by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author); a GPT
+in plain Flax linen (its own attention with a causal mask, a rematerialised
+MLP, per-layer `_LinenBlock_i` params); and a plain Flax CNN with batch norm
+and dropout (state besides the parameters, returned updated). An AdamW step
+each: per-layer params roll, the loss and gradients equal jax.jit's on one
+device, the step compiles without XLA rematerialising a tensor, and the
+memory the plan predicts is XLA's within the issue's 20%."""
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
 
 import jaxbackend as jb
 from jaxbackend import named as nx
@@ -65,6 +67,34 @@ class _LocalGlobal(nnx.Module):
     loss = _Mixer.loss
 
 
+class _LinenBlock(linen.Module):
+    # Flax linen's own layers, unnamed: attention with a causal mask, and a
+    # rematerialised MLP whose policy saves the weight products
+    @linen.compact
+    def __call__(self, x):
+        mask = linen.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        x = x + linen.MultiHeadDotProductAttention(num_heads=4)(linen.LayerNorm()(x), mask=mask)
+        mlp = linen.remat(_LinenMLP, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        return x + mlp()(linen.LayerNorm()(x))
+
+
+class _LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(EMBD)(linen.gelu(linen.Dense(4 * EMBD)(x)))
+
+
+class _LinenLM(linen.Module):
+    # per-layer blocks (params `_LinenBlock_0`, `_LinenBlock_1`, ...), rolled
+    # by reroll; linen's own `nn.scan` is in benchmarks/other_models.py
+    @linen.compact
+    def __call__(self, tok):
+        x = linen.Embed(64, EMBD)(tok)
+        for _ in range(LAYERS):
+            x = _LinenBlock()(x)
+        return linen.Dense(64)(linen.LayerNorm()(x))
+
+
 def _residual_mlp_loss(p, x, y):
     z = x @ p["emb"]
     for layer in p["layers"]:
@@ -84,6 +114,14 @@ def _setup(name):
         _, params, loss = scan_lm(LAYERS, embd=EMBD, heads=4, mlp=4 * EMBD, vocab=64)
         x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
         batch = (x, jnp.roll(x, -1, axis=1))
+    elif name == "linen":   # plain Flax linen, no dim names
+        lm = _LinenLM()
+        x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
+        batch = (x, jnp.roll(x, -1, axis=1))
+        params = jax.jit(lm.init)(jax.random.key(0), x)   # jit: linen's eager init is slow
+
+        def loss(params, x, y):
+            return optax.softmax_cross_entropy_with_integer_labels(lm.apply(params, x), y).mean()
     else:
         ks = jax.random.split(jax.random.key(0), 2 * LAYERS + 1)
         params = {"emb": jax.random.normal(ks[-1], (EMBD, EMBD)) / EMBD ** 0.5,
@@ -98,7 +136,8 @@ def _setup(name):
 
 @pytest.mark.parametrize("name, stacked", [
     ("mixer", False), ("mixer", True), ("residual mlp", False), ("residual mlp", True),
-    ("local-global", False), ("local-global", True), ("nnx-scan", False)],
+    ("local-global", False), ("local-global", True), ("nnx-scan", False),
+    ("linen", False)],
     ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
 def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     params, loss, batch = _setup(name)
@@ -121,6 +160,9 @@ def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
         layer_axes = [spec[0] if len(spec) else None
                       for spec, p in zip(f.plan.in_specs(), paths) if mark in p]
         assert layer_axes and all(a is None for a in layer_axes), f.plan.rules
+    else:   # per-layer params: rolled under the mesh, forward and backward
+        rolled = [s.matches for s in f.last_report.stats if s.name == "reroll"][0]
+        assert rolled["reroll.blocks_rolled"] == 2 * LAYERS, rolled
     assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.2)
     # The values and gradients (AdamW's normalised update would amplify a
     # gradient that is zero up to rounding; the gradients are compared)
