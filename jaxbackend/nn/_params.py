@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import meta
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend import named as nx
@@ -73,8 +74,27 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _is_box(x) -> bool:
+    """A Flax linen parameter boxed with its axis names
+    (`nn.with_logical_partitioning` or `nn.with_partitioning`: its `init`
+    returns `flax.core.meta.Partitioned` leaves, which `apply` and optax
+    take as they are)."""
+    return isinstance(x, meta.Partitioned)
+
+
+def holds_names(x) -> bool:
+    """Whether x is one parameter whose metadata may name its axes (an NNX
+    variable or a linen box): a leaf when a tree's dims are read."""
+    return _is_var(x) or _is_box(x)
+
+
 def _state(tree):
     return nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+
+
+def _value(v):
+    """The array a variable or linen box holds."""
+    return v.value if _is_box(v) else v[...]
 
 
 def _ndim(v) -> int:
@@ -82,26 +102,28 @@ def _ndim(v) -> int:
     # the value may be a ShapeDtypeStruct, which v[...] cannot index
     leaves = jax.tree.leaves(v)
     return len(leaves[0].shape) if len(leaves) == 1 and hasattr(leaves[0], "shape") else \
-        jnp.ndim(v[...])
+        jnp.ndim(_value(v))
 
 
 def dims_of(v, leading: bool = False) -> tuple | None:
     """A variable's dim names: our `dims` metadata, else Flax's logical axis
-    names (`out_sharding`, set by `nnx.with_partitioning`; None entries are
-    unnamed axes), else None. `leading`: the value may carry more axes in
-    front than the names name (a `jb.stack_layers` state: the layer axis);
-    those are unnamed (None)."""
-    if not _is_var(v):
+    names (`out_sharding`, set by `nnx.with_partitioning`; a linen box's
+    `names`; None entries are unnamed axes), else None. `leading`: the value
+    may carry more axes in front than the names name (a `jb.stack_layers`
+    state: the layer axis); those are unnamed (None)."""
+    if _is_box(v):
+        dims = v.names      # a linen `nn.scan` adds its axis' name (Flax requires one)
+    elif _is_var(v):
+        dims = v.get_metadata("dims", None)
+        if dims is not None and not leading:
+            return tuple(dims)
+        if dims is None:
+            dims = v.get_metadata("out_sharding", None)
+    else:
         return None
-    dims = v.get_metadata("dims", None)
-    if dims is not None and not leading:
-        return tuple(dims)
-    if dims is None:
-        logical = v.get_metadata("out_sharding", None)
-        if not isinstance(logical, (tuple, list)) or not all(
-                d is None or isinstance(d, str) for d in logical):
-            return None
-        dims = logical
+    if not isinstance(dims, (tuple, list)) or not all(d is None or isinstance(d, str)
+                                                      for d in dims):
+        return None     # (a mesh-axis tuple for one axis, say: not a name)
     ndim = _ndim(v)
     if len(dims) == ndim or leading and len(dims) < ndim:
         return with_leading(dims, ndim)
@@ -117,7 +139,7 @@ def with_leading(dims, ndim: int) -> tuple:
 def param_dims(tree):
     """A tree like `nnx.state(module)` whose leaves are each variable's dims
     (None for variables without names)."""
-    return jax.tree.map(dims_of, _state(tree), is_leaf=_is_var)
+    return jax.tree.map(dims_of, _state(tree), is_leaf=holds_names)
 
 
 def partition_specs(tree, rules):
@@ -126,8 +148,8 @@ def partition_specs(tree, rules):
     replicated, with a warning naming the first such parameter."""
     r = _axis_rules.normalize(rules)
     unnamed = [jax.tree_util.keystr(p) for p, v in
-               jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
-               if _is_var(v) and jnp.ndim(v[...]) > 0 and dims_of(v) is None]
+               jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=holds_names)
+               if holds_names(v) and _ndim(v) > 0 and dims_of(v) is None]
     if unnamed and r:
         warnings.warn(
             f"partition_specs: {len(unnamed)} variables carry no dim names (e.g. {unnamed[0]}) "
@@ -137,7 +159,7 @@ def partition_specs(tree, rules):
     def one(v):
         dims = dims_of(v)
         return PartitionSpec() if dims is None else spec_for_dims(dims, r)
-    return jax.tree.map(one, _state(tree), is_leaf=_is_var)
+    return jax.tree.map(one, _state(tree), is_leaf=holds_names)
 
 
 def shardings(tree, rules, mesh):
@@ -150,8 +172,8 @@ def shardings(tree, rules, mesh):
 def check_divisible(tree, rules, mesh) -> None:
     """Raise `nx.DimError` naming the first parameter dim whose size does not
     divide by the mesh axes the rules put it on."""
-    leaves = jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=_is_var)
-    named = [(f" of parameter {jax.tree_util.keystr(path)}", dims_of(v), v[...].shape)
+    leaves = jax.tree_util.tree_leaves_with_path(_state(tree), is_leaf=holds_names)
+    named = [(f" of parameter {jax.tree_util.keystr(path)}", dims_of(v), _value(v).shape)
              for path, v in leaves if dims_of(v) is not None]
     _axis_rules.check_divisible(named, _axis_rules.normalize(rules), dict(mesh.shape))
 

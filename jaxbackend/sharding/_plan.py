@@ -53,10 +53,11 @@ _is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
 
 def dims_of(tree) -> list:
     """Per flat leaf of `tree`: its NamedArray's dims; for the value of a Flax
-    variable (an `nnx.split` state), the names its metadata gives its axes
-    (`nn.param_dims`: our `dims`, or the logical axes of
-    `nnx.with_partitioning`, None for an unnamed axis), so rules name the
-    dims `nn.partition_specs` does; else None."""
+    variable (an `nnx.split` state) or a linen box, the names its metadata
+    gives its axes (`nn.param_dims`: our `dims`, or the logical axes of
+    `nnx.with_partitioning` or linen's `nn.with_logical_partitioning`, None
+    for an unnamed axis), so rules name the dims `nn.partition_specs` does;
+    else None."""
     from jaxbackend.nn import _params   # here: nn imports this package
 
     def one(x):
@@ -69,7 +70,7 @@ def dims_of(tree) -> list:
             return [None] * n
         return [_params.dims_of(x, leading=True)]
 
-    return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))
+    return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params.holds_names(x))
             for d in one(x)]
 
 
@@ -77,7 +78,7 @@ def paths_of(tree) -> list:
     """Per flat leaf of `tree` (NamedArrays are leaves): where it sits, as
     the user wrote it: `args[0]['blocks'][1]['w1']` for a positional
     argument of `(args, kwargs)`, `x` or `x['w']` for a keyword one. The
-    `.value` key a Flax variable adds to its leaf's path is left out
+    `.value` key a Flax variable (or linen box) adds to its leaf's path is left out
     (`args[0]['bn']['bias']`, as a user indexes an `nnx.split` state)."""
     out = []
     for path in _leaf_paths(tree):
@@ -93,13 +94,13 @@ def paths_of(tree) -> list:
 
 def _leaf_paths(tree) -> list:
     """The key path of each flat leaf of `tree` (NamedArrays are leaves),
-    without a Flax variable's own leading `.value` key."""
+    without a Flax variable's (or linen box's) own leading `.value` key."""
     from jaxbackend.nn import _params   # here: nn imports this package
 
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: _is_named(x) or _params._is_var(x))[0]:
-        if not _params._is_var(x):
+            tree, is_leaf=lambda x: _is_named(x) or _params.holds_names(x))[0]:
+        if not _params.holds_names(x):
             out.append(path)
             continue
         for sub, _ in jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_named)[0]:

@@ -1,6 +1,7 @@
 """jb.jit(mesh=) on the arguments users give it: static values of other
 types, a batch split into micro-batches inside the step, Flax variables
-with logical axis names (and stacked by jb.stack_layers), a Flax state's
+with logical axis names (and stacked by jb.stack_layers), linen params
+boxed with logical axis names (and scanned by linen), a Flax state's
 dims named by the path a user indexes, rules naming a dim by any input
 axis holding it, rules for dims the program lacks (and misspelt ones),
 and one naming a scan's axis."""
@@ -135,6 +136,70 @@ def test_flax_logical_axis_names_are_the_plans_dim_names(mesh):
         layers = [nnx.split(MLP(nnx.Rngs(i)), nnx.Param)[1] for i in range(3)]
     assert set(_plan.dims_of(jb.stack_layers(layers))) == {(None, "embed", "mlp"),
                                                            (None, "mlp", "embed")}
+
+
+def test_linen_logical_axis_names_are_the_plans_dim_names(mesh):
+    """Flax linen params boxed by `nn.with_logical_partitioning`
+    (`flax.core.meta.Partitioned` leaves, passed to `apply` and optax as they
+    are): the plan calls their axes by the logical names, MaxText's style,
+    and their paths carry no `.value` (`nn.partition_specs` reads the same
+    names); linen's `nn.scan` names its layer axis (`PARTITION_NAME`),
+    which stays unsharded under the search."""
+    import flax.linen as linen
+    import optax
+
+    from jaxbackend import nn
+
+    init = linen.initializers.lecun_normal()
+
+    class Block(linen.Module):
+        @linen.compact
+        def __call__(self, x, _=None):
+            h = linen.Dense(64, kernel_init=linen.with_logical_partitioning(init, ("embed", "mlp")),
+                            use_bias=False)(x)
+            return x + linen.Dense(16, kernel_init=linen.with_logical_partitioning(
+                init, ("mlp", "embed")), use_bias=False)(jax.nn.gelu(h)), None
+
+    class LM(linen.Module):
+        scan: bool
+
+        @linen.compact
+        def __call__(self, x):
+            if self.scan:
+                return linen.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                                  length=2, metadata_params={linen.PARTITION_NAME: "layers"})()(
+                                      x, None)[0]
+            return Block()(Block()(x)[0])[0]
+
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    tx = optax.sgd(0.1)
+    for scan in (False, True):
+        lm = LM(scan)
+        params = lm.init(jax.random.key(0), x)
+
+        def step(params, opt_state, x):
+            loss, g = jax.value_and_grad(lambda p: (lm.apply(p, x) ** 2).mean())(params)
+            updates, opt_state = tx.update(g, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        args = (params, tx.init(params), x)
+        searched = jb.jit(step, mesh=mesh)
+        searched.lower(*args)
+        assert {"embed", "mlp"} <= set(searched.plan.rules), searched.plan.rules
+        assert not [n for n in searched.plan.model.g.key_names if ".value" in n]
+        if scan:
+            assert searched.plan.rules.get("layers") is None, searched.plan.rules
+        f = jb.jit(step, mesh=mesh, rules={"mlp": "model", "args[2]:0": "data"})
+        got = f(*args)
+        block = "ScanBlock_0" if scan else "Block_0"
+        kernel = got[0]["params"][block]["Dense_0"]["kernel"]
+        assert kernel.value.sharding.spec == jax.sharding.PartitionSpec(*[None] * scan, None,
+                                                                        "model")
+        # the spec nn.partition_specs gives the same box
+        specs = nn.partition_specs(params, {"mlp": "model"})
+        assert kernel.value.sharding.spec == specs["params"][block]["Dense_0"]["kernel"]
+        testing.assert_close(got, jax.jit(step)(*args), what=f"linen step, scan={scan}",
+                             scale=lambda: testing.abs_scale(step, *args))
 
 
 def test_a_rule_may_name_a_dim_by_any_input_axis_that_holds_it(mesh):
