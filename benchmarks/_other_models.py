@@ -19,25 +19,27 @@ an `nnx.List` of blocks), for `other_models.py`:
   consecutive forward layers are alike, so the forward rolls by pairs;
 * `linen`: a GPT in Flax linen with no dim names at all (`nn.Embed`,
   `nn.MultiHeadDotProductAttention` with a causal mask, `nn.LayerNorm`,
-  `nn.Dense`, a gelu MLP): per-layer params are linen's `Block_0`,
-  `Block_1`, ... entries; stacked params are linen's own `nn.scan` over the
-  block (`jb.stack_layers` refuses linen's numbered entries and says so).
+  `nn.Dense`, a gelu MLP): per-layer params are linen's numbered entries
+  (`LinenBlock_0`, `LinenBlock_1`, ...); stacked params are linen's own
+  `nn.scan` over the block (`jb.stack_layers` refuses linen's numbered
+  entries and says so).
   Its hand rule sets name the dims by their paths, as the plan does.
 
-`setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand rule
-sets); `step(params, opt_state, *batch)` is the AdamW training step.
+`setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand
+rule sets); `step(params, opt_state, *batch)` is the AdamW training step.
 """
 
 from __future__ import annotations
 
 import math
 
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import optax
-import flax.linen as linen
 from flax import nnx
 
+import jaxbackend as jb
 from jaxbackend import named as nx
 from jaxbackend import nn
 
@@ -288,8 +290,6 @@ def setup(name: str, layers: int, stacked: bool = False):
     if name != "linen":
         params, loss = nn.functional(model, "loss")
         if stacked:
-            import jaxbackend as jb
-
             params = jb.stack_layers(params)
 
     def step(params, opt_state, *batch):

@@ -70,16 +70,17 @@ def dims_of(tree) -> list:
             return [None] * n
         return [_params.dims_of(x, leading=True)]
 
-    return [d for x in jax.tree.leaves(tree, is_leaf=lambda x: _is_named(x) or _params.holds_names(x))
-            for d in one(x)]
+    leaf = lambda x: _is_named(x) or _params.holds_names(x)  # noqa: E731
+    return [d for x in jax.tree.leaves(tree, is_leaf=leaf) for d in one(x)]
 
 
 def paths_of(tree) -> list:
     """Per flat leaf of `tree` (NamedArrays are leaves): where it sits, as
     the user wrote it: `args[0]['blocks'][1]['w1']` for a positional
     argument of `(args, kwargs)`, `x` or `x['w']` for a keyword one. The
-    `.value` key a Flax variable (or linen box) adds to its leaf's path is left out
-    (`args[0]['bn']['bias']`, as a user indexes an `nnx.split` state)."""
+    `.value` key a Flax variable (or linen box) adds to its leaf's path is
+    left out (`args[0]['bn']['bias']`, as a user indexes an `nnx.split`
+    state)."""
     out = []
     for path in _leaf_paths(tree):
         head, rest = path[:2], jax.tree_util.keystr(path[2:])

@@ -74,7 +74,8 @@ class _LinenBlock(linen.Module):
     def __call__(self, x):
         mask = linen.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
         x = x + linen.MultiHeadDotProductAttention(num_heads=4)(linen.LayerNorm()(x), mask=mask)
-        mlp = linen.remat(_LinenMLP, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        mlp = linen.remat(_LinenMLP, policy=policy)
         return x + mlp()(linen.LayerNorm()(x))
 
 
