@@ -307,8 +307,22 @@ def rolled_gpt():
 def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules, rolled_gpt):
     vg, args, want, scale = rolled_gpt
     f = jb.jit(vg, mesh=mesh, rules=rules, reroll=ROLLED)
-    assert "stablehlo.while" in f.lower(*args).as_text(), "the layers should run in a loop"
+    lowered = f.lower(*args)
+    assert "stablehlo.while" in lowered.as_text(), "the layers should run in a loop"
     testing.assert_close(f(*args), want, scale=scale, what="sharded rolled value_and_grad")
+    # every output laid out as the plan says, the per-layer gradients too:
+    # rows of the scan's stacked ones, pinned by one constraint per stack
+    from jaxbackend import _planned
+
+    compiled = lowered.compile()
+    rows = _planned._rows_of_stacks(f.plan)[0]
+    assert len(rows) >= ROLLED * 4, rows     # each layer's weights, at least 4 each
+    specs = f.plan.out_specs()
+    for k, (got, a) in enumerate(zip(jax.tree.leaves(compiled.output_shardings),
+                                     jax.tree.leaves(compiled.out_info))):
+        assert got.is_equivalent_to(f.plan.sharding(specs[k]), a.ndim), (k, got, specs[k])
+    if rules:
+        assert any("model" in tuple(specs[k]) for k in rows), specs
 
 
 def test_rolled_gpt_adamw_step_under_mesh_equals_single_device(mesh, rolled_gpt):
