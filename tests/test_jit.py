@@ -238,8 +238,15 @@ def test_jit_with_mesh_rolls_layers_and_constrains_every_contraction_in_the_loop
         text = texts[n] = f.lower(*args).as_text()
         # the layers run in loops, and every contraction (forward and
         # backward, in the loop bodies) is constrained, besides one
-        # constraint per input and output leaf (the plan's layouts)
-        n_io = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
+        # constraint per input and output leaf (the plan's layouts), where
+        # the per-layer gradients, rows of the scan's stacks, take one per
+        # stack (`_planned._rows_of_stacks`)
+        from jaxbackend import _planned
+
+        rows, stacks = _planned._rows_of_stacks(f.plan)
+        assert len(rows) >= n and len(stacks) < len(rows), (rows, stacks)
+        n_io = (len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
+                - len(rows) + len(stacks))
         assert "stablehlo.while" in text
         assert text.count("sdy.sharding_constraint") - n_io == text.count("dot_general") > 0
     # flat in depth: 16 layers hold no more contractions than 8
