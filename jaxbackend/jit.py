@@ -45,8 +45,9 @@ once per static values and argument types (`_planned.Planner`: a call on
 inputs placed by the plan is a new JAX trace, answered from that cache
 without tracing fn again), and the program is evaluated with a
 sharding constraint on every input, every output and every top-level
-contraction, so XLA lays out arguments, results and contractions as the
-plan says. `static_argnums`, `static_argnames`, `donate_argnums` mean what
+contraction (outputs that are rows of one stack, a rolled step's per-layer
+weights, by one on the stack), so XLA lays out arguments, results and
+contractions as the plan says. `static_argnums`, `static_argnames`, `donate_argnums` mean what
 they mean for jax.jit (a training step donates its params and optimizer
 state; donation frees arrays already placed with the plan's shardings,
 `f.plan.shardings(args)`). `in_shardings=`/`out_shardings=` under a mesh
