@@ -179,9 +179,10 @@ def _rows_of_stacks(plan) -> tuple:
     """({k: output k is one whole row of a stack, `_stacks.unstack_one`'s
     reshape of a `dynamic_slice`, laid out as the stack's rows}, {each such
     stack: its NamedSharding}). A rolled step returns its per-layer weights
-    and optimizer state as rows of stacks: 1553 outputs at 32 GPT layers,
-    whose constraints cost XLA 0.5 s of a 5.5 s compile (measured). One
-    constraint on the stack pins its rows as well: a row of an array whose
+    and optimizer state as rows of stacks: 1536 of the 1553 outputs of a
+    32-layer GPT AdamW step, whose constraints cost 0.35 s of its 5.24 s
+    from trace to executable (measured, median of 5). One constraint on the
+    stack pins its rows as well: a row of an array whose
     leading axis is unsharded is laid out as the array's other axes are,
     which is XLA's propagation through a slice (the compiled step's output
     layouts stay the plan's, `test_jit_mesh`)."""
