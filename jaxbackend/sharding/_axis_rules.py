@@ -134,17 +134,22 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
     `layers`, `bacth` for `batch`) is taken for a misspelling: ValueError
     naming both. A name split by a reshape stays in the rules (`to_masks`
     says which factor to name)."""
-    g = graph
-    known = set(g.key_names) | set(g.key_alias) | set(g.path_alias) | set(g.path_factors)
-    unknown = sorted(set(rules) - known)
-    plain = sorted(n for n in set(g.key_names) | set(g.key_alias) if _plain(n))
+    g, dims = graph, dim_names(graph)
+    unknown = sorted(set(rules) - set(dims) - set(g.path_alias) - set(g.path_factors))
+    plain = [n for n in dims if _plain(n)]
     for n in unknown:
         near = difflib.get_close_matches(n, plain, n=1, cutoff=0.8) if _plain(n) else []
         if near:
             raise ValueError(f"rules: {n!r} names no dim of this program; did you mean "
-                             f"{near[0]!r}? Its dims are {sorted(known - set(g.path_alias))}; "
-                             f"fix the spelling (a rule for a dim the program lacks is unused).")
+                             f"{near[0]!r}? Its dims are {dims}; fix the spelling (a rule "
+                             f"for a dim the program lacks is unused).")
     return {d: a for d, a in rules.items() if d not in unknown}, unknown
+
+
+def dim_names(graph) -> list:
+    """The names of `graph`'s dims (a sharding graph's keys, and the merged
+    dims laid out by one of them), sorted: what messages list."""
+    return sorted(set(graph.key_names) | set(graph.key_alias))
 
 
 def _plain(name: str) -> bool:

@@ -383,8 +383,7 @@ def _planned(closed, graph, in_tree, out_tree, mesh, rules, memory_budget, profi
         masks, unused = _axis_rules.to_masks(_axis_rules.normalize(rules), graph, spec)
         if unused:
             warnings.warn(f"sharding rules for {unused}: this program has no such dims, so "
-                          f"those rules are unused (its dims: "
-                          f"{sorted(set(graph.key_names) | set(graph.key_alias))}).",
+                          f"those rules are unused (its dims: {_axis_rules.dim_names(graph)}).",
                           stacklevel=2)
         plan = Plan(spec, cm, masks, closed, in_tree, out_tree)
         plan.unused_rules = unused

@@ -265,8 +265,9 @@ def abs_scale(fn, *args):
     An op's rounding counts at its own dtype's size, in the output's units:
     a float32 loss computed through bfloat16 matmuls (mixed precision) gets
     their bfloat16 roundings, 2**16 float32 ones each; float32 work under a
-    bfloat16 result counts at its own, finer size. Inputs are exact. Calls, custom_jvp/vjp (their primal), checkpoint,
-    scan, cond and while are followed; data movement and max/min move the
+    bfloat16 result counts at its own, finer size. Inputs are exact. Calls,
+    custom_jvp/vjp (their primal), checkpoint, scan, cond and while are
+    followed; data movement and max/min move the
     scale; operations it does not know (sort, callbacks, ...) add their own
     rounding to their operands' largest. Non-finite outputs get 0 (their
     pattern is compared exactly). A gradient that cancels (a bias whose
