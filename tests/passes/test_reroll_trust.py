@@ -12,6 +12,7 @@ calling `jax.nn.relu`, layers that are one `jax.checkpoint` equation).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -25,7 +26,7 @@ from jaxbackend import _jax
 from jaxbackend.passes import _rewrite
 from jaxbackend.passes.cse import cse
 from jaxbackend.passes.reroll import reroll, reroll_with_stats
-from jaxbackend.testing import assert_close
+from jaxbackend.testing import abs_scale, assert_close
 
 N = 6   # layers: above the pipeline's REROLL_MIN_REPEATS (5)
 
@@ -341,9 +342,13 @@ def test_layers_that_are_one_checkpoint_equation_roll():
     assert _scans(out) == 2 and stats.repeats == [N, N]
     assert reroll(out, min_repeats=5) is out      # idempotent
     want = jax.value_and_grad(jax.jit(model), argnums=(0, 1))(x, ws)
-    assert_close(jax.value_and_grad(jb.jit(model), argnums=(0, 1))(x, ws), want,
+    # the gradient of a 6-layer chain: its rounding is the error model's
+    # (abs_scale), not max|reference|'s; codegen alone moved it 77 eps
+    scale = functools.cache(lambda: abs_scale(jax.value_and_grad(model, argnums=(0, 1)), x, ws))
+    assert_close(jax.value_and_grad(jb.jit(model), argnums=(0, 1))(x, ws), want, scale=scale,
                  what="grad of the rolled checkpointed forward")
-    assert_close(_run(out, x, ws), jax.tree.leaves(want), what="rolled value_and_grad")
+    assert_close(_run(out, x, ws), jax.tree.leaves(want), scale=lambda: jax.tree.leaves(scale()),
+                 what="rolled value_and_grad")
 
 
 def test_sub_layer_loops_inside_a_rolled_block_roll_in_the_same_pass():
