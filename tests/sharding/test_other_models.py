@@ -6,11 +6,12 @@ per-layer params (rolled) and stacked ones (`jb.stack_layers`); a plain
 Flax NNX transformer written the way Flax recommends for depth (blocks made
 by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author); a GPT
 in plain Flax linen (its own attention with a causal mask, a rematerialised
-MLP, per-layer `_LinenBlock_i` params); and a plain Flax CNN with batch norm
-and dropout (state besides the parameters, returned updated). An AdamW step
-each: per-layer params roll, the loss and gradients equal jax.jit's on one
-device, the step compiles without XLA rematerialising a tensor, and the
-memory the plan predicts is XLA's within the issue's 20%."""
+MLP, per-layer `_LinenBlock_i` params, or the block under linen's own
+`nn.scan`); and a plain Flax CNN with batch norm and dropout (state besides
+the parameters, returned updated). An AdamW step each: per-layer params
+roll, the loss and gradients equal jax.jit's on one device, the step
+compiles without XLA rematerialising a tensor, and the memory the plan
+predicts is XLA's within the issue's 20%."""
 
 import jax
 import jax.numpy as jnp
@@ -85,14 +86,27 @@ class _LinenMLP(linen.Module):
         return linen.Dense(EMBD)(linen.gelu(linen.Dense(4 * EMBD)(x)))
 
 
+class _LinenScanBody(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):   # linen's nn.scan runs (carry, x) -> (carry, y)
+        return _LinenBlock()(x), None
+
+
 class _LinenLM(linen.Module):
     # per-layer blocks (params `_LinenBlock_0`, `_LinenBlock_1`, ...), rolled
-    # by reroll; linen's own `nn.scan` is in benchmarks/other_models.py
+    # by reroll; or scan=True: linen's own `nn.scan` over the block (params
+    # stacked on a leading layer axis by linen)
+    scan: bool = False
+
     @linen.compact
     def __call__(self, tok):
         x = linen.Embed(64, EMBD)(tok)
-        for _ in range(LAYERS):
-            x = _LinenBlock()(x)
+        if self.scan:
+            x, _ = linen.scan(_LinenScanBody, variable_axes={"params": 0},
+                              split_rngs={"params": True}, length=LAYERS)()(x, None)
+        else:
+            for _ in range(LAYERS):
+                x = _LinenBlock()(x)
         return linen.Dense(64)(linen.LayerNorm()(x))
 
 
@@ -115,8 +129,8 @@ def _setup(name):
         _, params, loss = scan_lm(LAYERS, embd=EMBD, heads=4, mlp=4 * EMBD, vocab=64)
         x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
         batch = (x, jnp.roll(x, -1, axis=1))
-    elif name == "linen":   # plain Flax linen, no dim names
-        lm = _LinenLM()
+    elif name in ("linen", "linen-scan"):   # plain Flax linen, no dim names
+        lm = _LinenLM(scan=name == "linen-scan")
         x = jax.random.randint(k1, (BATCH, SEQ), 0, 64)
         batch = (x, jnp.roll(x, -1, axis=1))
         params = jax.jit(lm.init)(jax.random.key(0), x)   # jit: linen's eager init is slow
@@ -137,8 +151,8 @@ def _setup(name):
 
 @pytest.mark.parametrize("name, stacked", [
     ("mixer", False), ("mixer", True), ("residual mlp", False), ("residual mlp", True),
-    ("local-global", False), ("local-global", True), ("nnx-scan", False),
-    ("linen", False)],
+    ("local-global", False), ("local-global", True), ("nnx-scan", False), ("linen", False),
+    ("linen-scan", False)],
     ids=lambda x: {False: "per-layer", True: "stacked"}.get(x, x))
 def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     params, loss, batch = _setup(name)
@@ -155,8 +169,10 @@ def test_searched_step_of_another_architecture(name, stacked, mesh24, capfd):
     f = jb.jit(step, mesh=mesh24)
     comp = f.lower(*args).compile()
     assert REMAT not in capfd.readouterr().err
-    if stacked or name == "nnx-scan":   # a layer axis is never sharded (`_walk`; a scan's xs)
-        mark = ".stacked" if stacked else "['blocks']"
+    if stacked or name in ("nnx-scan", "linen-scan"):   # a layer axis is never sharded
+        # (`_walk`; a scan's xs)
+        mark = {"nnx-scan": "['blocks']",
+                "linen-scan": "['Scan_LinenScanBody_0']"}.get(name, ".stacked")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         layer_axes = [spec[0] if len(spec) else None
                       for spec, p in zip(f.plan.in_specs(), paths) if mark in p]
