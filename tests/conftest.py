@@ -10,11 +10,10 @@ partitioning, collectives and buffer assignment are the same at both levels
 that). Values may differ by rounding, which the error model of
 `jaxbackend.testing` covers; a test that fails at one level and passes at
 the other compares tighter than float32 rounding, as it would on another
-CPU. Measured on 2
-cores, same machine and hour: the suite took 7:18 at -O0 against 12:06 at 3
-(a fresh venv later: 7:29). A level given in XLA_FLAGS is kept:
-`XLA_FLAGS=--xla_backend_optimization_level=3` tests with the code users'
-programs get.
+CPU. Measured on 2 cores, same machine and hour: the suite took 7:18 at -O0
+against 12:06 at 3 (a fresh venv later: 7:29). A level given in XLA_FLAGS
+is kept: `XLA_FLAGS=--xla_backend_optimization_level=3` tests with the code
+users' programs get.
 """
 
 import os
