@@ -9,7 +9,6 @@ upgrade that starts reading the level fails here, not as drift elsewhere.
 """
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +20,7 @@ from jaxbackend.testing import abs_scale, assert_close
 LEVEL = "--xla_backend_optimization_level"
 
 
-def _no_metadata(hlo: str) -> str:
-    # source locations only: the same program traced twice has other line info
-    return re.sub(r", metadata=\{[^}]*\}", "", hlo)
-
-
-def test_the_suite_compiles_with_the_level_its_conftest_sets():
+def test_the_suite_runs_on_8_devices_at_one_llvm_level():
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_force_host_platform_device_count=8" in flags and len(jax.devices()) == 8
     assert sum(f.startswith(LEVEL + "=") for f in flags) == 1, flags
@@ -44,9 +38,9 @@ def test_the_suites_llvm_level_changes_no_hlo():
     lowered = jb.jit(step, mesh=sharding.auto_mesh((2, 4), ("data", "model"))).lower(ws, x)
     at0 = lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
     at3 = lowered.compile(compiler_options={"xla_backend_optimization_level": 3})
-    hlo = _no_metadata(at0.as_text())
+    hlo = at0.as_text()   # the optimized HLO: with the fusion pass off, it differs
     assert "while" in hlo and "all-reduce" in hlo   # rolled and sharded, as the suite's programs
-    assert hlo == _no_metadata(at3.as_text())
+    assert hlo == at3.as_text()
     m0, m3 = at0.memory_analysis(), at3.memory_analysis()
     for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
         assert getattr(m0, field) == getattr(m3, field), field
