@@ -3,8 +3,8 @@
 The AdamW training step of each model of `_other_models` (a ViT, an
 adaLN-conditioned DiT, a soft mixture of experts with a load-balancing loss,
 an encoder-decoder with cross-attention, a decoder alternating sliding-window
-and global attention layers, a GPT in Flax linen), written as a user would, through
-`jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
+and global attention layers, a GPT in Flax linen), written as a user would,
+through `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
 (`jb.stack_layers`), at 4 and 16 layers:
 
@@ -26,8 +26,8 @@ per-layer params (the `nnx.List` as it is) and stacked params
   bought time.
 
 Run: `python benchmarks/other_models.py` (`--models vit dit` for some, in
-a section of their own,
-`--repeat N`, `--quick` for a 2-layer smoke run that writes nothing).
+a section of their own; `--repeat N`; `--quick` for a 2-layer smoke run
+that writes nothing).
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def run_planned(plan, leaves) -> list:
                 for x, s, o in zip(invals, ins, own)])
         return None
 
-    rows, stacked = _rows_of_stacks(plan)
+    out_specs = plan.out_specs()
+    rows, stacked = _rows_of_stacks(plan, out_specs)
 
     def hook(eqn, outs):
         if eqn in cons:
@@ -172,25 +173,25 @@ def run_planned(plan, leaves) -> list:
     outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
                                   enter=entered.__contains__, instead=instead)
     return [y if k in rows else wsc(y, plan.sharding(s))
-            for k, (y, s) in enumerate(zip(outs, plan.out_specs()))]
+            for k, (y, s) in enumerate(zip(outs, out_specs))]
 
 
-def _rows_of_stacks(plan) -> tuple:
+def _rows_of_stacks(plan, out_specs) -> tuple:
     """({k: output k is one whole row of a stack, `_stacks.unstack_one`'s
-    reshape of a `dynamic_slice`, laid out as the stack's rows}, {each such
-    stack: its NamedSharding}). A rolled step returns its per-layer weights
-    and optimizer state as rows of stacks: 1536 of the 1553 outputs of a
-    32-layer GPT AdamW step, whose constraints cost 0.35 s of its 5.24 s
-    from trace to executable (measured, median of 5). One constraint on the
-    stack pins its rows as well: a row of an array whose
-    leading axis is unsharded is laid out as the array's other axes are,
-    which is XLA's propagation through a slice (the compiled step's output
-    layouts stay the plan's, `test_jit_mesh`)."""
+    reshape of a `dynamic_slice`, laid out as the stack's rows by
+    `out_specs` (the plan's)}, {each such stack: its NamedSharding}). A
+    rolled step returns its per-layer weights and optimizer state as rows of
+    stacks: 1536 of the 1553 outputs of a 32-layer GPT AdamW step, whose
+    constraints cost 0.35 s of its 5.24 s from trace to executable
+    (measured, median of 5). One constraint on the stack pins its rows as
+    well: a row of an array whose leading axis is unsharded is laid out as
+    the array's other axes are, which is XLA's propagation through a slice
+    (the compiled step's output layouts stay the plan's, `test_jit_mesh`)."""
     j, env = plan.closed.jaxpr, plan.model.g.env
     made = {v: e for e in j.eqns for v in e.outvars}
     rows: set = set()
     stacked: dict = {}
-    for k, (v, want) in enumerate(zip(j.outvars, plan.out_specs())):
+    for k, (v, want) in enumerate(zip(j.outvars, out_specs)):
         r = made.get(v) if _jax.is_var(v) else None
         d = made.get(r.invars[0]) if r is not None and r.primitive.name == "reshape" else None
         if d is None or d.primitive.name != "dynamic_slice" or not _jax.is_var(d.invars[0]):

@@ -243,7 +243,7 @@ def test_jit_with_mesh_rolls_layers_and_constrains_every_contraction_in_the_loop
         # stack (`_planned._rows_of_stacks`)
         from jaxbackend import _planned
 
-        rows, stacks = _planned._rows_of_stacks(f.plan)
+        rows, stacks = _planned._rows_of_stacks(f.plan, f.plan.out_specs())
         assert len(rows) >= n and len(stacks) < len(rows), (rows, stacks)
         n_io = (len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(vg, *args)))
                 - len(rows) + len(stacks))

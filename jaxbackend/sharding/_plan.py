@@ -51,6 +51,15 @@ _ROUTED = {"gather", "scatter-add", "scatter_add", "conv_general_dilated"}
 _is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
 
 
+def _leaf_test():
+    """`is_leaf` for the argument trees this module reads: NamedArrays, and
+    parameters whose metadata may name their axes (an NNX variable, a linen
+    box: `nn._params.holds_names`)."""
+    from jaxbackend.nn import _params   # here: nn imports this package
+
+    return lambda x: _is_named(x) or _params.holds_names(x)
+
+
 def dims_of(tree) -> list:
     """Per flat leaf of `tree`: its NamedArray's dims; for the value of a Flax
     variable (an `nnx.split` state) or a linen box, the names its metadata
@@ -70,8 +79,7 @@ def dims_of(tree) -> list:
             return [None] * n
         return [_params.dims_of(x, leading=True)]
 
-    leaf = lambda x: _is_named(x) or _params.holds_names(x)  # noqa: E731
-    return [d for x in jax.tree.leaves(tree, is_leaf=leaf) for d in one(x)]
+    return [d for x in jax.tree.leaves(tree, is_leaf=_leaf_test()) for d in one(x)]
 
 
 def paths_of(tree) -> list:
@@ -99,8 +107,7 @@ def _leaf_paths(tree) -> list:
     from jaxbackend.nn import _params   # here: nn imports this package
 
     out = []
-    for path, x in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: _is_named(x) or _params.holds_names(x))[0]:
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_leaf_test())[0]:
         if not _params.holds_names(x):
             out.append(path)
             continue

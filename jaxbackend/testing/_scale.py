@@ -267,9 +267,9 @@ def abs_scale(fn, *args):
     their bfloat16 roundings, 2**16 float32 ones each; float32 work under a
     bfloat16 result counts at its own, finer size. Inputs are exact. Calls,
     custom_jvp/vjp (their primal), checkpoint, scan, cond and while are
-    followed; data movement and max/min move the
-    scale; operations it does not know (sort, callbacks, ...) add their own
-    rounding to their operands' largest. Non-finite outputs get 0 (their
+    followed; data movement and max/min move the scale; operations it does
+    not know (sort, callbacks, ...) add their own rounding to their
+    operands' largest. Non-finite outputs get 0 (their
     pattern is compared exactly). A gradient that cancels (a bias whose
     gradient is zero by symmetry is rounding noise of size eps * sum|terms|)
     is compared at the scale of the program that computes it:

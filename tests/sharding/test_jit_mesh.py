@@ -315,9 +315,9 @@ def test_rolled_gpt_gradient_under_mesh_equals_single_device(mesh, rules, rolled
     from jaxbackend import _planned
 
     compiled = lowered.compile()
-    rows = _planned._rows_of_stacks(f.plan)[0]
-    assert len(rows) >= ROLLED * 4, rows     # each layer's weights, at least 4 each
     specs = f.plan.out_specs()
+    rows = _planned._rows_of_stacks(f.plan, specs)[0]
+    assert len(rows) >= ROLLED * 4, rows     # each layer's weights, at least 4 each
     for k, (got, a) in enumerate(zip(jax.tree.leaves(compiled.output_shardings),
                                      jax.tree.leaves(compiled.out_info))):
         assert got.is_equivalent_to(f.plan.sharding(specs[k]), a.ndim), (k, got, specs[k])
