@@ -24,6 +24,12 @@ an `nnx.List` of blocks), for `other_models.py`:
   `nn.scan` over the block (`jb.stack_layers` refuses linen's numbered
   entries and says so).
   Its hand rule sets name the dims by their paths, as the plan does.
+* `nnx`: a GPT in plain Flax NNX, no dim names either (`nnx.Embed`, whose
+  `attend` is the output layer: tied weights; `nnx.MultiHeadAttention` with
+  a causal mask, `nnx.LayerNorm`, `nnx.Linear`), trained as nanoGPT-style
+  recipes do: gradients clipped to global norm 1, AdamW on a warmup-cosine
+  schedule. Per-layer params only (`KINDS`): `nnx.merge` wants the State
+  it was split into, layer by layer.
 
 `setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand
 rule sets); `step(params, opt_state, *batch)` is the AdamW training step.
@@ -43,7 +49,12 @@ import jaxbackend as jb
 from jaxbackend import named as nx
 from jaxbackend import nn
 
-MODELS = ("vit", "dit", "moe", "encdec", "localglobal", "linen")
+MODELS = ("vit", "dit", "moe", "encdec", "localglobal", "linen", "nnx")
+KINDS = {"nnx": ("per-layer",)}   # the params' forms measured, where not both
+
+
+def kinds(name: str) -> tuple:
+    return KINDS.get(name, ("per-layer", "stacked"))
 
 
 class ViT(nnx.Module):
@@ -227,6 +238,47 @@ class LinenGPT(linen.Module):
         return linen.Dense(self.vocab)(linen.LayerNorm()(x))
 
 
+class NNXBlock(nnx.Module):
+    def __init__(self, embd: int, heads: int, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(embd, rngs=rngs), nnx.LayerNorm(embd, rngs=rngs)
+        self.att = nnx.MultiHeadAttention(heads, embd, decode=False, rngs=rngs)
+        self.w1 = nnx.Linear(embd, 4 * embd, rngs=rngs)
+        self.w2 = nnx.Linear(4 * embd, embd, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.att(self.ln1(x), mask=mask)
+        return x + self.w2(nnx.gelu(self.w1(self.ln2(x))))
+
+
+class NNXGPT(nnx.Module):
+    def __init__(self, layers: int, embd: int, heads: int, vocab: int, rngs):
+        self.emb = nnx.Embed(vocab, embd, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(embd, heads, rngs) for _ in range(layers)])
+        self.ln = nnx.LayerNorm(embd, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.emb(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.emb.attend(self.ln(x))   # the output layer is the embedding, tied
+
+
+def _nnx(layers: int):
+    """(params, loss, megatron rules) of the plain NNX GPT, dims named by path
+    as the plan names them (the first layer's stand for every layer's)."""
+    gd, params = nnx.split(NNXGPT(layers, 128, 4, 256, nnx.Rngs(0)), nnx.Param)
+
+    def loss(params, tokens, targets):
+        logits = nnx.merge(gd, params)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    at = "args[0]['blocks'][0]"
+    megatron = {"args[2]:0": "data", f"{at}['att']['key']['bias']:0": "model",
+                f"{at}['w1']['bias']:0": "model", "args[0]['emb']['embedding']:0": "model"}
+    return params, loss, megatron
+
+
 def _linen(layers: int, stacked: bool, batch):
     """(params, loss, megatron rules) of the linen GPT: its dims are named by
     path (the plan's names: the first layer's stand for every layer's, and a
@@ -285,9 +337,18 @@ def setup(name: str, layers: int, stacked: bool = False):
         batch = (x, jnp.roll(x, -1, axis=1))
         params, loss, megatron = _linen(layers, stacked, batch)
         batch_dim = "args[2]:0"
+    elif name == "nnx":
+        x = jax.random.randint(k1, (16, 64), 0, 256)
+        batch = (x, jnp.roll(x, -1, axis=1))
+        if stacked:
+            raise ValueError("setup: the nnx model has per-layer params only (KINDS).")
+        params, loss, megatron = _nnx(layers)
+        batch_dim = "args[2]:0"
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+            optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)))
     else:
         raise ValueError(f"setup: model {name!r} is not one of {MODELS}; pick one of those.")
-    if name != "linen":
+    if name not in ("linen", "nnx"):
         params, loss = nn.functional(model, "loss")
         if stacked:
             params = jb.stack_layers(params)

@@ -3,10 +3,12 @@
 The AdamW training step of each model of `_other_models` (a ViT, an
 adaLN-conditioned DiT, a soft mixture of experts with a load-balancing loss,
 an encoder-decoder with cross-attention, a decoder alternating sliding-window
-and global attention layers, a GPT in Flax linen), written as a user would,
+and global attention layers, a GPT in Flax linen, a GPT in plain Flax NNX
+trained with gradient clipping on a schedule), written as a user would,
 through `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
-(`jb.stack_layers`), at 4 and 16 layers:
+(`jb.stack_layers`; linen: `nn.scan`; plain NNX: per-layer only), at 4 and
+16 layers:
 
 * seconds from trace to compiled executable, searched plan (median of
   `--repeat` processes, interleaved), and 16 layers / 4 layers: compile
@@ -102,16 +104,18 @@ def more_bytes(runs, point) -> bool:
 
 def measure(models, depths, repeat: int) -> dict:
     """{(model, kind, layers, rules): [results]} (searched: `repeat` runs)."""
+    from benchmarks import _other_models
+
     runs: dict = {}
     for r in range(repeat):            # interleaved: load hits every point alike
         for m in models:
-            for kind in ("per-layer", "stacked"):
+            for kind in _other_models.kinds(m):
                 for d in depths:
                     check = r == 0 and d == depths[0]
                     runs.setdefault((m, kind, d, "search"), []).append(
                         spawn(m, kind, d, "search", check))
     for m in models:
-        for kind in ("per-layer", "stacked"):
+        for kind in _other_models.kinds(m):
             for d in depths:
                 for rules in ("dp", "megatron"):
                     runs[(m, kind, d, rules)] = [spawn(m, kind, d, rules)]
@@ -123,6 +127,8 @@ def measure(models, depths, repeat: int) -> dict:
 
 
 def render(runs, models, depths, repeat: int) -> str:
+    from benchmarks import _other_models
+
     mib = 2 ** 20
     rows = ["| model | params | layers | compile s (median of %d) | deepest / shallowest | "
             "collectives MiB: searched / data parallel / Megatron | memory MiB: predicted / "
@@ -131,7 +137,7 @@ def render(runs, models, depths, repeat: int) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     verdict: dict = {"flat": [], "bytes": [0, 0], "memory": [], "warnings": 0, "steps": []}
     for m in models:
-        for kind in ("per-layer", "stacked"):
+        for kind in _other_models.kinds(m):
             secs = {d: statistics.median(x["seconds"] for x in runs[(m, kind, d, "search")])
                     for d in depths}
             ratio = secs[depths[-1]] / secs[depths[0]]

@@ -1,4 +1,5 @@
-"""Vectorise the per-block element-wise tail of a rolled program.
+"""Vectorise the per-block element-wise equations between and after the runs of a
+rolled program.
 
 After `reroll` has rolled the layers (forward and backward) into `scan`s,
 what follows the last scan is typically the optimizer: AdamW applied to each
@@ -12,27 +13,39 @@ This module plans to apply each such family of equations once, to the stacks:
 one `mul` on `f32[L, ...]` instead of L `mul`s on `f32[...]`. It is the
 analysis only; `_reroll_walk.Walk` emits the plan (it owns the stacks).
 
-How (three linear walks over the equations after the last run):
+The equations planned are those after a run, up to the next run or the end
+(`_reroll_walk.Walk._plan_gap`): after the last run, the optimizer update;
+between the backward run and a third one, the squared norm of each layer's
+gradients that optax's `clip_by_global_norm` adds up (that sum itself, a
+chain of scalar adds, is rolled into the third scan, which then reads the
+norms' stacks instead of copies; its order of addition is the program's).
+
+How (linear walks over the planned equations):
 1. layer index: an equation whose located inputs (entry i of a stack) all
    have one index i gets index i, and so do its outputs (forward); an
    unlocated equation whose indexed readers all agree gets theirs (backward:
    `b1 * mu_i` is read by `(1 - b1) * g_i + ...`, so it belongs to layer i);
 2. families: indexed equations with equal primitive, params (hashable, equal),
    input/output types and input kinds (entry of stack s; output k of family
-   f; a literal of one value; another value) form one family, member i (an
-   index seen twice opens another family of that key: same-shape weights in
-   two roles, filled in program order; a wrong guess only leaves a family
-   incomplete, hence unapplied);
-3. validity, to a fixpoint: a family is applied when its members are exactly
-   indices 0..n-1 (n >= min_repeats) of stacks/families of length n, each
-   "other" input is either one atom shared by all members or distinct per
-   member (then stacked, a copy), and no equation outside applied families
-   reads a member's result before the family's last member (where the one
-   vector equation is placed; later readers get entry i lazily).
+   f; a literal of one value; a fill of one literal, `zeros_like`; another
+   value) form one family, member i (an index seen twice opens another
+   family of that key: same-shape weights in two roles, filled in program
+   order; a wrong guess only leaves a family incomplete, hence unapplied).
+   Steps 1-2 are repeated (at most `_ROUNDS` times) without the first
+   equations of families too small to apply: their index was a guess
+   (`acc + s_k`, a sum over every layer, gets layer k's) that would make
+   whatever reads them conflict;
+3. validity, to a fixpoint (`_place`): a family is applied when its members
+   are exactly indices 0..n-1 (n >= min_repeats) of stacks/families of
+   length n, each "other" input is either one atom shared by all members or
+   distinct per member (then stacked, a copy), and it has an emission point:
+   no later than its last member and before any equation outside applied
+   families reads a member's result, no earlier than its inputs exist (the
+   one vector equation is placed there; readers get entry i lazily).
 
-Which equations: element-wise primitives (`_jax.ELEMENTWISE`) and
-reductions (their axes shift by one), without effects, sub-jaxprs or an
-explicit output sharding (its spec has the member's rank).
+Which equations: element-wise primitives (`_jax.ELEMENTWISE`), `copy`
+(`jnp.array(x)`) and reductions (their axes shift by one), without effects,
+sub-jaxprs or an explicit output sharding (its spec has the member's rank).
 
 Invariant (what the emitted program keeps): every member result equals the
 original one. Element-wise primitives compute each element independently
@@ -54,6 +67,8 @@ from jax import lax
 from jaxbackend import _jax
 
 _CONFLICT = -1
+_ROUNDS = 3   # of steps 1-2 (a round drops the wrong guesses the last one made)
+_COPIES = ("copy", "copy_p")   # jnp.array(x): the identity, element by element
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,8 +79,11 @@ class Family:
     key: tuple
     members: dict = dataclasses.field(default_factory=dict)   # index -> position
     ok: bool = True
-    last: int = -1                     # position of the last member (the emission point)
-    kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",) | ("o",)
+    last: int = -1                     # position of the last member
+    at: int = -1                       # emitted after this position (-1: before the first)
+    base: int = 0                      # position of the planned equations' first in the jaxpr
+    fills: dict = dataclasses.field(default_factory=dict)   # input -> literal ("fill" kinds)
+    kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",) | ("fill",) | ("o",)
     shared: tuple = ()                 # per input: True when one atom serves every member
     read_out: tuple = ()               # per output: read by an equation outside applied
                                        # families, or a program output (then held: `emit`)
@@ -73,11 +91,17 @@ class Family:
 
 def _eligible(eqn) -> bool:
     name = eqn.primitive.name
-    return ((name in _jax.ELEMENTWISE or name in _jax.REDUCTIONS)
+    return ((name in _jax.ELEMENTWISE or name in _jax.REDUCTIONS or name in _COPIES)
             and not eqn.effects and not _jax.has_sub_jaxprs(eqn)
             and not _jax.has_sharding_annotation(eqn)   # a spec of the member's rank
             and _jax.params_key(eqn.params) is not None
             and not any(_jax.is_dropvar(v) for v in eqn.outvars))
+
+
+def _fills(eqn) -> bool:
+    """A `broadcast_in_dim` of a scalar literal (`jnp.zeros_like`)."""
+    return (eqn.primitive.name == "broadcast_in_dim" and not _jax.is_var(eqn.invars[0])
+            and not eqn.invars[0].aval.shape and not _jax.has_sharding_annotation(eqn))
 
 
 def _type(aval) -> tuple:
@@ -86,19 +110,77 @@ def _type(aval) -> tuple:
     return (aval.shape, aval.dtype, bool(getattr(aval, "weak_type", False)))
 
 
-def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> dict:
+def plan(eqns, located: dict, stack_len: dict, min_repeats: int, read_later=()) -> dict:
     """{position: Family} for the members of every family to apply, given
-    `located` (var -> (stack id, index)), `stack_len` (stack id -> n) and the
-    program's `outvars`."""
+    `located` (var -> (stack id, index)), `stack_len` (stack id -> n) and
+    `read_later`, the results of `eqns` that something after them reads
+    (the program's outputs, a later run)."""
     n_eq = len(eqns)
     elig = [_eligible(e) for e in eqns]
-    index: list = [None] * n_eq
-    var_index = {v: i for v, (_, i) in located.items()}
     readers: dict = {}
-    for k, e in enumerate(eqns):                       # 1a. forward indices
+    for k, e in enumerate(eqns):
         for v in e.invars:
             if _jax.is_var(v):
                 readers.setdefault(v, []).append(k)
+    for _ in range(_ROUNDS):
+        index = _indices(eqns, elig, located, readers)
+        families, made_by, fam_at = _families(eqns, index, located)
+        # a family of too few members is never applied, and the index it
+        # passes on may be a wrong guess: the sum over all layers plus layer
+        # k's term gets index k, and so would the global norm computed from
+        # it and everything the norm scales. Such an equation is left out of
+        # the next round when no other lone one feeds it (the first wrong
+        # guess: its readers then get their index from their other inputs)
+        lone = {k for f in families if len(f.members) < min_repeats for k in f.members.values()}
+        roots = [k for k in lone if not any(
+            _jax.is_var(a) and a in made_by and len(made_by[a][0].members) < min_repeats
+            for a in eqns[k].invars)]
+        if not roots:
+            break
+        for k in roots:
+            elig[k] = False
+
+    by_id = {id(f): f for f in families}
+    for fam in families:                                # 3a. shape of each family
+        n = len(fam.members)
+        fam.ok = n >= min_repeats and set(fam.members) == set(range(n))
+        if not fam.ok:
+            continue
+        shared = []
+        for p, kind in enumerate(fam.kinds):
+            atoms = [eqns[fam.members[i]].invars[p] for i in range(n)]
+            if kind[0] == "s":
+                fam.ok &= stack_len[kind[1]] == n
+            if kind[0] in ("lit", "fill"):
+                shared.append(True)
+            elif kind[0] == "o":
+                distinct = len(set(map(id, atoms)))
+                fam.ok &= distinct in (1, n)
+                shared.append(distinct == 1)
+            else:
+                shared.append(False)
+        fam.shared = tuple(shared)
+
+    defined = {o: k for k, e in enumerate(eqns) for o in e.outvars}
+    changed = True                                       # 3b. validity fixpoint
+    while changed:
+        changed = _place(families, by_id, eqns, readers, fam_at, defined)
+    outs = set(read_later)
+    for fam in families:
+        if fam.ok:
+            fam.read_out = tuple(
+                any(o in outs or any(not (fam_at[r] is not None and fam_at[r].ok)
+                                     for r in readers.get(o, ()))
+                    for o in (eqns[k].outvars[j] for k in fam.members.values()))
+                for j in range(len(eqns[fam.last].outvars)))
+    return {k: fam for fam in families if fam.ok for k in fam.members.values()}
+
+
+def _indices(eqns, elig, located, readers) -> list:
+    """Step 1: each eligible equation's layer index (None: none; _CONFLICT)."""
+    index: list = [None] * len(eqns)
+    var_index = {v: i for v, (_, i) in located.items()}
+    for k, e in enumerate(eqns):                       # 1a. forward
         if not elig[k]:
             continue
         got = {var_index[v] for v in e.invars if _jax.is_var(v) and v in var_index}
@@ -108,19 +190,27 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
                 var_index[o] = index[k]
         elif got:
             index[k] = _CONFLICT
-    for k in range(n_eq - 1, -1, -1):                  # 1b. backward indices
+    for k in range(len(eqns) - 1, -1, -1):             # 1b. backward
         if not elig[k] or index[k] is not None:
             continue
         got = {index[r] for o in eqns[k].outvars for r in readers.get(o, ())}
         got.discard(None)
         if len(got) == 1 and _CONFLICT not in got:
             index[k] = got.pop()
+    return index
 
-    families: list = []                                 # 2. families
+
+def _families(eqns, index, located) -> tuple:
+    """Step 2: (families in creation order, var -> (family, output k),
+    position -> its family or None)."""
+    families: list = []
     by_key: dict = {}
-    made_by: dict = {}                                  # var -> (family, output k)
-    fam_at: list = [None] * n_eq
+    made_by: dict = {}
+    fam_at: list = [None] * len(eqns)
+    filled = {}                                         # var -> the literal it is filled with
     for k, e in enumerate(eqns):
+        if _fills(e):
+            filled[e.outvars[0]] = e.invars[0]
         i = index[k]
         if i is None or i == _CONFLICT:
             continue
@@ -128,6 +218,8 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
         for a in e.invars:
             if not _jax.is_var(a):
                 kinds.append(("lit", _jax.literal_value(a).tobytes()))
+            elif a in filled:   # zeros_like(g) per layer (optax's abs_sq: g.imag)
+                kinds.append(("fill", _jax.literal_value(filled[a]).tobytes()))
             elif a in made_by:
                 f, j = made_by[a]
                 kinds.append(("f", id(f), j))
@@ -142,7 +234,8 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
         lanes = by_key.setdefault(key, [])
         fam = next((f for f in lanes if i not in f.members), None)
         if fam is None:
-            fam = Family(key, kinds=tuple(kinds))
+            fam = Family(key, kinds=tuple(kinds),
+                         fills={p: filled[a] for p, a in enumerate(e.invars) if kinds[p][0] == "fill"})
             lanes.append(fam)
             families.append(fam)
         fam.members[i] = k
@@ -150,51 +243,43 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, outvars=()) -> 
         fam_at[k] = fam
         for j, o in enumerate(e.outvars):
             made_by[o] = (fam, j)
+    return families, made_by, fam_at
 
-    by_id = {id(f): f for f in families}
-    for fam in families:                                # 3a. shape of each family
-        n = len(fam.members)
-        fam.ok = n >= min_repeats and set(fam.members) == set(range(n))
+
+def _place(families, by_id, eqns, readers, fam_at, defined) -> bool:
+    """One round of 3b: set each applied family's emission point `at` and
+    drop (ok = False) those that cannot have one; True when any was dropped.
+
+    `at` is the family's last member (where its readers all are, for the
+    optimizer update), or earlier when an equation outside the applied
+    families reads a member's result before that: squared norms added up as
+    they are made (`total += jnp.sum(g * g)` per layer) get `at` before the
+    first add. Consumer families are visited first (a consumer is created
+    after its producers), so a producer's `at` is <= its consumers'. A
+    family is dropped when its inputs are not all defined by `at` (a member
+    input made later, or a producer family dropped) or when it
+    reads a family of another length."""
+    for fam in reversed(families):
         if not fam.ok:
             continue
-        shared = []
-        for p, kind in enumerate(fam.kinds):
-            atoms = [eqns[fam.members[i]].invars[p] for i in range(n)]
-            if kind[0] == "s":
-                fam.ok &= stack_len[kind[1]] == n
-            if kind[0] in ("lit",):
-                shared.append(True)
-            elif kind[0] == "o":
-                distinct = len(set(map(id, atoms)))
-                fam.ok &= distinct in (1, n)
-                shared.append(distinct == 1)
-            else:
-                shared.append(False)
-        fam.shared = tuple(shared)
-
-    changed = True                                       # 3b. validity fixpoint
-    while changed:
-        changed = False
-        for fam in families:
-            if not fam.ok:
-                continue
-            bad = any(k[0] == "f" and (not by_id[k[1]].ok or len(by_id[k[1]].members)
-                                       != len(fam.members)) for k in fam.kinds)
-            if not bad:
-                bad = any(r <= fam.last and not (fam_at[r] is not None and fam_at[r].ok)
-                          for k in fam.members.values() for o in eqns[k].outvars
-                          for r in readers.get(o, ()))
-            if bad:
-                fam.ok, changed = False, True
-    outs = {v for v in outvars if _jax.is_var(v)}
+        at = fam.last
+        for k in fam.members.values():
+            for o in eqns[k].outvars:
+                for r in readers.get(o, ()):
+                    by = fam_at[r]
+                    at = min(at, by.at if by is not None and by.ok else r - 1)
+        fam.at = at
+    dropped = False
     for fam in families:
-        if fam.ok:
-            fam.read_out = tuple(
-                any(o in outs or any(not (fam_at[r] is not None and fam_at[r].ok)
-                                     for r in readers.get(o, ()))
-                    for o in (eqns[k].outvars[j] for k in fam.members.values()))
-                for j in range(len(eqns[fam.last].outvars)))
-    return {k: fam for fam in families if fam.ok for k in fam.members.values()}
+        if not fam.ok:
+            continue
+        bad = any(k[0] == "f" and (not by_id[k[1]].ok or len(by_id[k[1]].members)
+                                   != len(fam.members)) for k in fam.kinds)
+        avail = max((defined.get(eqns[k].invars[p], -1) for p, kind in enumerate(fam.kinds)
+                     if kind[0] == "o" for k in fam.members.values()), default=-1)
+        if bad or avail > fam.at:
+            fam.ok, dropped = False, True
+    return dropped
 
 
 def hold_inputs(walk, eqns, vector: dict) -> None:
@@ -204,7 +289,7 @@ def hold_inputs(walk, eqns, vector: dict) -> None:
     one loop, not one loop each (`_stacks.hold`)."""
     made_in_tail = {o for e in eqns for o in e.outvars}
     wanted: dict = {}
-    for fam in sorted({id(f): f for f in vector.values()}.values(), key=lambda f: f.last):
+    for fam in sorted({id(f): f for f in vector.values()}.values(), key=lambda f: f.at):
         members = [eqns[fam.members[i]] for i in range(len(fam.members))]
         for p, kind in enumerate(fam.kinds):
             if fam.shared[p] or kind[0] == "f":
@@ -226,13 +311,15 @@ def emit(walk, fam):
     """Emit `fam` into `walk` (a `_reroll_walk.Walk`) as one equation on stacks;
     entry i of its result is member i's result, which later readers index
     out lazily (`walk.read`)."""
-    members = [walk.jaxpr.eqns[walk.tail + fam.members[i]] for i in range(len(fam.members))]
+    members = [walk.jaxpr.eqns[fam.base + fam.members[i]] for i in range(len(fam.members))]
     e0, n = members[0], len(members)
     out_shape = tuple(e0.outvars[0].aval.shape)
     args = []
     for p, kind in enumerate(fam.kinds):
         aval = e0.invars[p].aval
-        if fam.shared[p]:
+        if kind[0] == "fill":  # made here: the members' own fills may come later
+            arr = _broadcast(walk.b, fam.fills[p], (n,) + tuple(aval.shape), ())
+        elif fam.shared[p]:
             arr = walk.read(e0.invars[p])
             if aval.ndim:      # one array for every member: the same entry for each
                 arr = _broadcast(walk.b, arr, (n,) + tuple(aval.shape),

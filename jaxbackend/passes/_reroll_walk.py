@@ -52,9 +52,10 @@ class Walk:
         self.stacked = {}     # old var -> (stack id, index): a per-block result
         self.stacks = []      # stack id -> atom of the stacked array
         self.indices = None   # atoms of opaque int32 scalars 0..max_repeats-1
-        self.tail = max((r.stop for r in runs), default=len(jaxpr.eqns))
-        self.vector = {}      # position after the last run -> its Family (`_reroll_vector`)
+        self.vector = {}      # position after a run -> its Family (`_reroll_vector`)
+        self.last_read = None  # var -> position of its last reader (`_plan_gap`)
         self.family_out = {}  # (id(family), output k) -> id of its stack (`stacks`)
+        self.emit_at = {}     # position -> the families emitted after it
         self.concatenated = set()   # atoms of the stacks this walk concatenated
         self.held_stacks = {}       # such a stack -> its `held` atom
         self.pending_holds = {}     # stack ids to hold before their entries are read (ordered)
@@ -69,25 +70,48 @@ class Walk:
             run = self.run_at.get(i)
             if run is None:
                 yield i, eqns[i]
+                # resumed once the caller has handled equation i: the
+                # families whose emission point it is follow it
+                self._emit_after(i)
                 i += 1
             else:
                 self._scan(run)
                 i = run.stop
-                if i == self.tail and self.min_repeats:   # every stack exists: plan the tail
-                    self.vector = _reroll_vector.plan(
-                        eqns[i:], self.stacked, {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
-                        self.min_repeats, self.jaxpr.outvars)
-                    _reroll_vector.hold_inputs(self, eqns[i:], self.vector)
+                if self.min_repeats:
+                    self._plan_gap(i)
+
+    def _plan_gap(self, start: int):
+        """Plan the families of the equations from `start` (a run's end) to
+        the next run or the end: the optimizer update after the last run;
+        between the backward run and a later one, the squared norms of the
+        layers' gradients that a rolled sum of them reads
+        (`optax.clip_by_global_norm`). Every stack made so far exists."""
+        eqns = self.jaxpr.eqns
+        stop = min((r.start for r in self.run_at.values() if r.start >= start), default=len(eqns))
+        if self.last_read is None:   # var -> its last reader's position (outputs: the end)
+            self.last_read = {v: k for k, e in enumerate(eqns) for v in e.invars
+                              if _jax.is_var(v)}
+            self.last_read.update((v, len(eqns)) for v in self.jaxpr.outvars if _jax.is_var(v))
+        gap = eqns[start:stop]
+        later = [o for e in gap for o in e.outvars if self.last_read.get(o, -1) >= stop]
+        vector = _reroll_vector.plan(gap, self.stacked,
+                                     {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
+                                     self.min_repeats, later)
+        for fam in {id(f): f for f in vector.values()}.values():   # in creation order
+            fam.base = start
+            self.emit_at.setdefault(start + fam.at, []).append(fam)
+        self.vector.update((start + k, fam) for k, fam in vector.items())
+        _reroll_vector.hold_inputs(self, gap, vector)
+        self._emit_after(start - 1)
+
+    def _emit_after(self, pos: int):
+        for fam in self.emit_at.pop(pos, ()):
+            _reroll_vector.emit(self, fam)
 
     def vectorized(self, pos: int) -> bool:
         """Whether equation `pos` is a member of an applied family (its
-        family's one equation is emitted at the last member)."""
-        fam = self.vector.get(pos - self.tail) if pos >= self.tail else None
-        if fam is None:
-            return False
-        if pos - self.tail == fam.last:
-            _reroll_vector.emit(self, fam)
-        return True
+        family's one equation is emitted after position `base + at`)."""
+        return pos in self.vector
 
     def keep(self, eqn):
         if self._joins_a_stack(eqn) or self._splits_a_join(eqn):

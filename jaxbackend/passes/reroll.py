@@ -48,7 +48,8 @@ The element-wise tail after the last run (the optimizer update of every
 layer's weights: AdamW is ~18 equations per weight and layer) is applied once
 per family to the stacks instead of once per layer (`_reroll_vector` says
 which equations and why the values stay the same); only its results that
-something reads are indexed out. Per-layer inputs no stack holds (optimizer
+something reads are indexed out. So are the element-wise equations between
+two runs (a global norm's per-layer squares, whose sum a third scan rolls). Per-layer inputs no stack holds (optimizer
 moments) are stacked, a copy per call like the weights.
 
 A value every layer reads (an encoder output under cross-attention) has its

@@ -97,6 +97,21 @@ def test_per_layer_reductions_shift_their_axes():
     assert _tail_counts(out)["reduce_sum"] == 1
 
 
+def test_copies_are_applied_per_kind():
+    # jnp.array(sum) per layer is a `copy` of it (as in optax's global norm)
+    def tail(g, ws, _):
+        sums = [jnp.array(jnp.sum(gi[0] * gi[0])) for gi in g]
+        total = jnp.float32(0)
+        for s in sums:
+            total = total + s
+        return total
+    out, per_layer, stats = _check(tail)
+    assert stats.vectorized == 3 and stats.vectorized_eqns == 3 * N   # mul, reduce_sum, copy
+    before, after = _tail_counts(per_layer), _tail_counts(out)
+    assert before["copy"] >= N and after["copy"] == before["copy"] - N + 1
+    assert after["reduce_sum"] == 1
+
+
 def _growing(g, ws, _):
     acc = jnp.zeros((0,))
     for gi in g:   # concatenate (not element-wise) reads each sum before the next exists
@@ -104,19 +119,41 @@ def _growing(g, ws, _):
     return acc
 
 
-def test_a_result_read_before_the_last_member_keeps_its_family_per_layer():
+def test_a_result_read_before_the_last_member_is_computed_before_its_first_reader():
+    # every member's input is a gradient, a stack entry when the tail starts:
+    # the family is applied there, before the first concatenate reads a sum
     out, _, stats = _check(_growing)
+    assert _tail_counts(out)["reduce_sum"] == 1
+    assert stats.vectorized_eqns == N
+
+
+def _growing_from_itself(g, ws, _):
+    acc = jnp.ones((1,))
+    for gi in g:   # each sum reads the one before: no point precedes every reader
+        acc = jnp.concatenate([acc, jnp.sum(gi[0] * acc[-1])[None]])
+    return acc
+
+
+def test_a_member_reading_a_later_value_keeps_its_family_per_layer():
+    out, _, stats = _check(_growing_from_itself)
     assert _tail_counts(out)["reduce_sum"] == N
     assert stats.vectorized_eqns == 0
 
 
 def test_global_norm_clipping_matches():
     # optax's running sum of squares is itself a chain of identical blocks
-    # (rolled into a third scan); the scaling after it is applied once per kind
+    # (rolled into a third scan); each layer's squared norm, between the
+    # backward scan and that one, and the scaling after it are applied once
+    # per kind (the chain itself stays a sum in the program's order)
     clip = optax.clip_by_global_norm(1e-3)
     clipped, leaves = _step_jaxpr(lambda g, ws, _: clip.update(g, None)[0])
     out, stats = reroll_with_stats(clipped, min_repeats=2)
-    assert len(stats.runs) == 3 and stats.vectorized_eqns == 9 * N
+    per_layer, _ = reroll_with_stats(clipped, min_repeats=2, vectorize=False)
+    assert len(stats.runs) == 3 and stats.vectorized_eqns == 21 * N
+    before = collections.Counter(e.primitive.name for e in _jax.open_jaxpr(per_layer).eqns)
+    after = collections.Counter(e.primitive.name for e in _jax.open_jaxpr(out).eqns)
+    for prim in ("square", "reduce_sum", "mul"):   # (and two scalar muls, not per layer)
+        assert after[prim] <= before[prim] // N + 2, (prim, before[prim], after[prim])
     assert_same_values(clipped, out, leaves, what="clipped tail")
 
 
