@@ -29,7 +29,10 @@ per-layer params (the `nnx.List` as it is) and stacked params
 
 Run: `python benchmarks/other_models.py` (`--models vit dit` for some, in
 a section of their own; `--repeat N`; `--quick` for a 2-layer smoke run
-that writes nothing).
+that writes nothing). `--depth --models nnx`: the sharded_scaling depth
+table's question on another model, compile seconds of the searched
+per-layer step at 4, 8, 16 and 32 layers against plain `jax.jit` placed
+data parallel (its layers unrolled).
 """
 
 from __future__ import annotations
@@ -82,6 +85,25 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool,
     return out
 
 
+def run_jax_point(model: str, layers: int) -> dict:
+    """Seconds from trace to compiled executable of plain `jax.jit` on the
+    step (its layers unrolled), inputs placed data parallel: the batch split
+    over every device, params and optimizer state replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from benchmarks._other_models import setup
+    from jaxbackend import sharding
+
+    params, tx, step, batch, _ = setup(model, layers)
+    mesh = sharding.auto_mesh(MESH, ("data", "model"))
+    state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, PartitionSpec()))
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "model"))))
+    t0 = time.perf_counter()   # placement is not compile time
+    jax.jit(step).lower(*state, *batch).compile()
+    return {"seconds": time.perf_counter() - t0}
+
+
 def spawn(model, kind, layers, rules_name, check=False, steps=0) -> dict:
     from benchmarks import _report
 
@@ -124,6 +146,46 @@ def measure(models, depths, repeat: int) -> dict:
             for rules in ("search", better_hand(runs, point)):
                 runs[point + (rules, "steps")] = spawn(*point, rules, steps=STEPS)
     return runs
+
+
+def measure_depth(models, depths, repeat: int) -> dict:
+    """{(model, column, layers): [seconds]}: `jb.jit(mesh=)` searched, per-layer
+    params, and `jax.jit` placed data parallel, `repeat` processes each,
+    interleaved."""
+    from benchmarks import _report
+
+    runs: dict = {}
+    for _ in range(repeat):
+        for m in models:
+            for d in depths:
+                runs.setdefault((m, "searched", d), []).append(
+                    spawn(m, "per-layer", d, "search")["seconds"])
+                runs.setdefault((m, "jax.jit", d), []).append(_report.spawn_on_8_devices(
+                    __file__, ["--child-jax", json.dumps([m, d])], f"{m} jax.jit {d}",
+                    WARNING)["seconds"])
+    return runs
+
+
+def render_depth(runs, models, depths, repeat: int) -> str:
+    rows = [f"| model | layers | `jb.jit(mesh=)` searched (s) | `jax.jit` data parallel, "
+            f"unrolled (s) | searched / jax.jit |", "|---|---|---|---|---|"]
+    lines = []
+    for m in models:
+        med = {(c, d): statistics.median(runs[(m, c, d)]) for c in ("searched", "jax.jit")
+               for d in depths}
+        for d in depths:
+            a, b = med[("searched", d)], med[("jax.jit", d)]
+            rows.append(f"| {m} | {d} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+        flat = med[("searched", depths[-1])] / med[("searched", depths[0])]
+        worst = max((med[("searched", d)] / med[("jax.jit", d)] for d in depths if d >= 8),
+                    default=float("nan"))   # (--quick: no depth >= 8)
+        lines += [f"- {m}: searched {depths[-1]} / {depths[0]} layers = {flat:.2f} (the "
+                  f"sharded_scaling target: <= 1.5): {'MET' if flat <= 1.5 else 'MISSED'}",
+                  f"- {m}: searched / jax.jit, worst depth >= 8 = {worst:.2f} (target <= 1): "
+                  f"{'MET' if worst <= 1 else 'MISSED'}"]
+    return "\n".join([f"Trace + passes + search + lower + compile seconds, median of {repeat} "
+                      f"processes, (2, 4) mesh of 8 simulated CPU devices:", "", *rows, "",
+                      "Targets:", *lines])
 
 
 def render(runs, models, depths, repeat: int) -> str:
@@ -190,10 +252,28 @@ def main(argv=None) -> int:
                     default=list(_other_models.MODELS))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 and 4 layers, 1 run, no BENCHMARKS.md")
+    ap.add_argument("--depth", action="store_true",
+                    help="compile seconds at 4, 8, 16 and 32 layers against plain jax.jit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-jax", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print("RESULT " + json.dumps(run_point(*json.loads(a.child))))
+        return 0
+    if a.child_jax:
+        print("RESULT " + json.dumps(run_jax_point(*json.loads(a.child_jax))))
+        return 0
+    if a.depth:
+        from benchmarks import _report
+
+        depths = [2, 4] if a.quick else [4, 8, 16, 32]
+        repeat = 1 if a.quick else a.repeat
+        body = render_depth(measure_depth(a.models, depths, repeat), a.models, depths, repeat)
+        print(body)
+        if not a.quick:
+            _report.write_section("other-models-depth-" + "-".join(a.models),
+                                  "Compile seconds against depth on architectures the benchmarks "
+                                  f"never use ({', '.join(a.models)})", body)
         return 0
     depths = [2, 4] if a.quick else [4, 16]
     repeat = 1 if a.quick else a.repeat

@@ -257,8 +257,8 @@ def _place(families, by_id, eqns, readers, fam_at, defined) -> bool:
     first add. Consumer families are visited first (a consumer is created
     after its producers), so a producer's `at` is <= its consumers'. A
     family is dropped when its inputs are not all defined by `at` (a member
-    input made later, or a producer family dropped) or when it
-    reads a family of another length."""
+    input made later, or a producer family dropped) or when it reads a
+    family of another length."""
     for fam in reversed(families):
         if not fam.ok:
             continue
@@ -283,10 +283,10 @@ def _place(families, by_id, eqns, readers, fam_at, defined) -> bool:
 
 
 def hold_inputs(walk, eqns, vector: dict) -> None:
-    """Before the tail: stack now the per-member inputs of the applied
-    families that are defined before it (the optimizer moments: program
-    inputs), and hold every short stack the families read (`Walk.held`) by
-    one loop, not one loop each (`_stacks.hold`)."""
+    """Before the planned equations `eqns`: stack now the per-member inputs
+    of the applied families that are defined before them (the optimizer
+    moments: program inputs), and hold every short stack the families read
+    (`Walk.held`) by one loop, not one loop each (`_stacks.hold`)."""
     made_in_tail = {o for e in eqns for o in e.outvars}
     wanted: dict = {}
     for fam in sorted({id(f): f for f in vector.values()}.values(), key=lambda f: f.at):

@@ -4,8 +4,9 @@
 to a `Walk`, which emits the new equations in order: each run as one `scan`
 (`Walk._scan`; its body is block 0's own equations re-wired), stacking the
 per-block inputs no earlier stack holds and recording every stack it makes
-or reads (variable -> (stack, index)), so later runs, the vectorised tail
-(`_reroll_vector`) and reads outside the scans find their values there.
+or reads (variable -> (stack, index)), so later runs, the vectorised families
+after each run (`_reroll_vector`, `Walk._plan_gap`) and reads outside the
+scans find their values there.
 A stacked input split into layers (`jb.stack_layers`: `_stacked.splits_entries`)
 is recorded the same way, and a `concatenate` of consecutive entries of one
 stack (its gradient rule) reads a slice of that stack (`Walk.keep`). A
