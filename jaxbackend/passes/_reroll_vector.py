@@ -55,7 +55,10 @@ shapes; a reduction over a member's axes reduces the same elements (XLA may
 order the sum differently: float reassociation, as for `reroll` itself).
 Integer, boolean and non-finite values are handled alike (no arithmetic is
 added or moved across members; entries are never mixed). Inputs and outputs
-of the program are untouched.
+of the program are untouched. Where the one equation is placed (its emission
+point) changes when it runs, not what it computes: it has no effects, and
+its inputs are the members' own; a `copy` is the identity and a fill input is
+rebuilt as the same literal broadcast, so both keep every bit.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class Family:
     at: int = -1                       # emitted after this position (-1: before the first)
     base: int = 0                      # position of the planned equations' first in the jaxpr
     fills: dict = dataclasses.field(default_factory=dict)   # input -> literal ("fill" kinds)
-    kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",) | ("fill",) | ("o",)
+    kinds: tuple = ()                  # per input: ("s", sid) | ("f", fam, k) | ("lit",)
+                                       # | ("fill",) | ("o",)
     shared: tuple = ()                 # per input: True when one atom serves every member
     read_out: tuple = ()               # per output: read by an equation outside applied
                                        # families, or a program output (then held: `emit`)
@@ -234,8 +238,8 @@ def _families(eqns, index, located) -> tuple:
         lanes = by_key.setdefault(key, [])
         fam = next((f for f in lanes if i not in f.members), None)
         if fam is None:
-            fam = Family(key, kinds=tuple(kinds),
-                         fills={p: filled[a] for p, a in enumerate(e.invars) if kinds[p][0] == "fill"})
+            fills = {p: filled[a] for p, a in enumerate(e.invars) if kinds[p][0] == "fill"}
+            fam = Family(key, kinds=tuple(kinds), fills=fills)
             lanes.append(fam)
             families.append(fam)
         fam.members[i] = k

@@ -7,8 +7,9 @@ Flax NNX transformer written the way Flax recommends for depth (blocks made
 by `nnx.vmap`, run by `nnx.scan`: rolled and stacked by its author); a GPT
 in plain Flax linen (its own attention with a causal mask, a rematerialised
 MLP, per-layer `_LinenBlock_i` params, or the block under linen's own
-`nn.scan`); and a plain Flax CNN with batch norm and dropout (state besides
-the parameters, returned updated). An AdamW step each: per-layer params
+`nn.scan`); a plain Flax CNN with batch norm and dropout (state besides
+the parameters, returned updated); and a plain Flax NNX GPT with a tied
+embedding, its gradients clipped to a global norm (AdamW on a schedule). An AdamW step each: per-layer params
 roll, the loss and gradients equal jax.jit's on one device, the step
 compiles without XLA rematerialising a tensor, and the memory the plan
 predicts is XLA's within the issue's 20%."""
@@ -245,3 +246,48 @@ def test_searched_step_with_batch_norm_and_dropout(mesh24, capfd):
     got, want = comp(*args)[2:], jax.jit(step)(*args)[2:]
     testing.assert_close(got, want, what="loss, grads and new batch statistics",
                          scale=lambda: testing.abs_scale(loss_grads_state, params, rest, *batch))
+
+
+def test_searched_step_with_gradient_clipping_on_a_schedule(mesh24, capfd):
+    """A plain Flax NNX GPT (tied embedding, `nnx.MultiHeadAttention`)
+    trained as nanoGPT-style recipes train: gradients clipped to a global
+    norm, AdamW on a warmup-cosine schedule. The norm's per-layer squares
+    are applied once per weight kind between the backward scan and the
+    rolled sum over layers; the clipped gradients equal jax.jit's."""
+    from benchmarks._other_models import NNXGPT
+
+    layers = 3   # rolled from 3 (reroll=3): abs_scale compiles the unrolled step
+    gd, params = nnx.split(NNXGPT(layers, EMBD, 4, 64, nnx.Rngs(0)), nnx.Param)
+    clip = optax.clip_by_global_norm(0.05)   # below the gradients' norm: clipping is on
+    adamw = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))
+
+    def loss(params, x, y):
+        logits = nnx.merge(gd, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def loss_clipped(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return value, clip.update(grads, None)[0]
+
+    def step(params, opt_state, x, y):
+        value, clipped = loss_clipped(params, x, y)
+        updates, opt_state = adamw.update(clipped, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, clipped
+
+    x = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, 64)
+    args = (params, adamw.init(params), x, jnp.roll(x, -1, axis=1))
+    f = jb.jit(step, mesh=mesh24, reroll=layers)
+    comp = f.lower(*args).compile()
+    assert REMAT not in capfd.readouterr().err
+    rolled = [s.matches for s in f.last_report.stats if s.name == "reroll"][0]
+    assert rolled["reroll.blocks_rolled"] >= 2 * layers, rolled
+    # the norm squares each leaf (52: 16 per layer, 4 others) when kept per
+    # layer; applied once per weight kind, there are about 16 + 4
+    final = f.trace_passes(*args).jaxprs[-1][1].jaxpr
+    squares = sum(e.primitive.name == "square" for e in final.eqns)
+    assert squares <= len(jax.tree.leaves(params)) // 2, squares
+    assert f.plan.cost.memory == pytest.approx(_hlo.memory(comp)["total"], rel=0.2)
+    got, want = comp(*args)[2:], jax.jit(step)(*args)[2:]
+    assert float(optax.tree.norm(want[1])) == pytest.approx(0.05, rel=1e-3)
+    testing.assert_close(got, want, what="loss and clipped gradients",
+                         scale=lambda: testing.abs_scale(loss_clipped, *args[:1], *args[2:]))
