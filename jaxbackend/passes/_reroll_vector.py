@@ -114,12 +114,11 @@ def _type(aval) -> tuple:
     return (aval.shape, aval.dtype, bool(getattr(aval, "weak_type", False)))
 
 
-def plan(eqns, located: dict, stack_len: dict, min_repeats: int, read_later=()) -> dict:
+def plan(eqns, located: dict, stacks: list, min_repeats: int, read_later=()) -> dict:
     """{position: Family} for the members of every family to apply, given
-    `located` (var -> (stack id, index)), `stack_len` (stack id -> n) and
+    `located` (var -> (stack id, index)), `stacks` (stack id -> its array) and
     `read_later`, the results of `eqns` that something after them reads
     (the program's outputs, a later run)."""
-    n_eq = len(eqns)
     elig = [_eligible(e) for e in eqns]
     readers: dict = {}
     for k, e in enumerate(eqns):
@@ -154,7 +153,7 @@ def plan(eqns, located: dict, stack_len: dict, min_repeats: int, read_later=()) 
         for p, kind in enumerate(fam.kinds):
             atoms = [eqns[fam.members[i]].invars[p] for i in range(n)]
             if kind[0] == "s":
-                fam.ok &= stack_len[kind[1]] == n
+                fam.ok &= stacks[kind[1]].aval.shape[0] == n
             if kind[0] in ("lit", "fill"):
                 shared.append(True)
             elif kind[0] == "o":

@@ -95,9 +95,7 @@ class Walk:
             self.last_read.update((v, len(eqns)) for v in self.jaxpr.outvars if _jax.is_var(v))
         gap = eqns[start:stop]
         later = [o for e in gap for o in e.outvars if self.last_read.get(o, -1) >= stop]
-        vector = _reroll_vector.plan(gap, self.stacked,
-                                     {s: a.aval.shape[0] for s, a in enumerate(self.stacks)},
-                                     self.min_repeats, later)
+        vector = _reroll_vector.plan(gap, self.stacked, self.stacks, self.min_repeats, later)
         for fam in {id(f): f for f in vector.values()}.values():   # in creation order
             fam.base = start
             self.emit_at.setdefault(start + fam.at, []).append(fam)
