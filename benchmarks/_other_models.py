@@ -28,8 +28,9 @@ an `nnx.List` of blocks), for `other_models.py`:
   `attend` is the output layer: tied weights; `nnx.MultiHeadAttention` with
   a causal mask, `nnx.LayerNorm`, `nnx.Linear`), trained as nanoGPT-style
   recipes do: gradients clipped to global norm 1, AdamW on a warmup-cosine
-  schedule. Per-layer params only (`KINDS`): `nnx.merge` wants the State
-  it was split into, layer by layer.
+  schedule. Stacked params are `jb.stack_layers` of the `nnx.State`; the
+  loss merges `jb.unstack_layers(params)` (`nnx.merge` wants the State
+  layer by layer, and gets it, split in the traced program).
 
 `setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand
 rule sets); `step(params, opt_state, *batch)` is the AdamW training step.
@@ -50,11 +51,7 @@ from jaxbackend import named as nx
 from jaxbackend import nn
 
 MODELS = ("vit", "dit", "moe", "encdec", "localglobal", "linen", "nnx")
-KINDS = {"nnx": ("per-layer",)}   # the params' forms measured, where not both
-
-
-def kinds(name: str) -> tuple:
-    return KINDS.get(name, ("per-layer", "stacked"))
+KINDS = ("per-layer", "stacked")   # the params' forms measured, every model
 
 
 class ViT(nnx.Module):
@@ -264,18 +261,24 @@ class NNXGPT(nnx.Module):
         return self.emb.attend(self.ln(x))   # the output layer is the embedding, tied
 
 
-def _nnx(layers: int):
+def _nnx(layers: int, stacked: bool):
     """(params, loss, megatron rules) of the plain NNX GPT, dims named by path
-    as the plan names them (the first layer's stand for every layer's)."""
+    as the plan names them (the first layer's stand for every layer's).
+    stacked: `jb.stack_layers` of the `nnx.State`, which the loss gives
+    `nnx.merge` as `jb.unstack_layers(params)` (the per-layer State again,
+    split in the traced program the way `reroll` reads straight from the
+    stacks); a stacked param's axes count its leading layer axis."""
     gd, params = nnx.split(NNXGPT(layers, 128, 4, 256, nnx.Rngs(0)), nnx.Param)
+    if stacked:
+        params = jb.stack_layers(params)
 
     def loss(params, tokens, targets):
-        logits = nnx.merge(gd, params)(tokens)
+        logits = nnx.merge(gd, jb.unstack_layers(params) if stacked else params)(tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    at = "args[0]['blocks'][0]"
-    megatron = {"args[2]:0": "data", f"{at}['att']['key']['bias']:0": "model",
-                f"{at}['w1']['bias']:0": "model", "args[0]['emb']['embedding']:0": "model"}
+    at, k = ("args[0]['blocks'].stacked", 1) if stacked else ("args[0]['blocks'][0]", 0)
+    megatron = {"args[2]:0": "data", f"{at}['att']['key']['bias']:{k}": "model",
+                f"{at}['w1']['bias']:{k}": "model", "args[0]['emb']['embedding']:0": "model"}
     return params, loss, megatron
 
 
@@ -340,9 +343,7 @@ def setup(name: str, layers: int, stacked: bool = False):
     elif name == "nnx":
         x = jax.random.randint(k1, (16, 64), 0, 256)
         batch = (x, jnp.roll(x, -1, axis=1))
-        if stacked:
-            raise ValueError("setup: the nnx model has per-layer params only (KINDS).")
-        params, loss, megatron = _nnx(layers)
+        params, loss, megatron = _nnx(layers, stacked)
         batch_dim = "args[2]:0"
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
             optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)))

@@ -7,7 +7,8 @@ and global attention layers, a GPT in Flax linen, a GPT in plain Flax NNX
 trained with gradient clipping on a schedule), written as a user would,
 through `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
-(`jb.stack_layers`; linen: `nn.scan`; plain NNX: per-layer only), at 4 and
+(`jb.stack_layers`; linen: `nn.scan`; plain NNX: the loss merges
+`jb.unstack_layers(params)`), at 4 and
 16 layers:
 
 * seconds from trace to compiled executable, searched plan (median of
@@ -30,9 +31,9 @@ per-layer params (the `nnx.List` as it is) and stacked params
 Run: `python benchmarks/other_models.py` (`--models vit dit` for some, in
 a section of their own; `--repeat N`; `--quick` for a 2-layer smoke run
 that writes nothing). `--depth --models nnx`: the sharded_scaling depth
-table's question on another model, compile seconds of the searched
-per-layer step at 4, 8, 16 and 32 layers against plain `jax.jit` placed
-data parallel (its layers unrolled).
+table's question on another model, compile seconds of the searched step
+(per-layer and stacked params) at 4, 8, 16 and 32 layers against plain
+`jax.jit` placed data parallel (its layers unrolled).
 """
 
 from __future__ import annotations
@@ -131,13 +132,13 @@ def measure(models, depths, repeat: int) -> dict:
     runs: dict = {}
     for r in range(repeat):            # interleaved: load hits every point alike
         for m in models:
-            for kind in _other_models.kinds(m):
+            for kind in _other_models.KINDS:
                 for d in depths:
                     check = r == 0 and d == depths[0]
                     runs.setdefault((m, kind, d, "search"), []).append(
                         spawn(m, kind, d, "search", check))
     for m in models:
-        for kind in _other_models.kinds(m):
+        for kind in _other_models.KINDS:
             for d in depths:
                 for rules in ("dp", "megatron"):
                     runs[(m, kind, d, rules)] = [spawn(m, kind, d, rules)]
@@ -149,40 +150,49 @@ def measure(models, depths, repeat: int) -> dict:
 
 
 def measure_depth(models, depths, repeat: int) -> dict:
-    """{(model, column, layers): [seconds]}: `jb.jit(mesh=)` searched, per-layer
-    params, and `jax.jit` placed data parallel, `repeat` processes each,
-    interleaved."""
+    """{(model, column, layers): [seconds]}: `jb.jit(mesh=)` searched on
+    per-layer params ("searched") and on `jb.stack_layers` params
+    ("stacked"), and `jax.jit` placed data parallel, `repeat` processes
+    each, interleaved."""
     from benchmarks import _report
 
     runs: dict = {}
     for _ in range(repeat):
         for m in models:
             for d in depths:
-                runs.setdefault((m, "searched", d), []).append(
-                    spawn(m, "per-layer", d, "search")["seconds"])
+                for column, kind in DEPTH_COLUMNS:
+                    runs.setdefault((m, column, d), []).append(
+                        spawn(m, kind, d, "search")["seconds"])
                 runs.setdefault((m, "jax.jit", d), []).append(_report.spawn_on_8_devices(
                     __file__, ["--child-jax", json.dumps([m, d])], f"{m} jax.jit {d}",
                     WARNING)["seconds"])
     return runs
 
 
+DEPTH_COLUMNS = (("searched", "per-layer"), ("stacked", "stacked"))   # (column, params)
+
+
 def render_depth(runs, models, depths, repeat: int) -> str:
-    rows = [f"| model | layers | `jb.jit(mesh=)` searched (s) | `jax.jit` data parallel, "
-            f"unrolled (s) | searched / jax.jit |", "|---|---|---|---|---|"]
+    rows = [f"| model | layers | `jb.jit(mesh=)` searched (s) | searched, stacked params (s) | "
+            f"`jax.jit` data parallel, unrolled (s) | searched / jax.jit | stacked / jax.jit |",
+            "|---|---|---|---|---|---|---|"]
     lines = []
     for m in models:
-        med = {(c, d): statistics.median(runs[(m, c, d)]) for c in ("searched", "jax.jit")
-               for d in depths}
+        med = {(c, d): statistics.median(runs[(m, c, d)])
+               for c in ("searched", "stacked", "jax.jit") for d in depths}
         for d in depths:
-            a, b = med[("searched", d)], med[("jax.jit", d)]
-            rows.append(f"| {m} | {d} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
-        flat = med[("searched", depths[-1])] / med[("searched", depths[0])]
-        worst = max((med[("searched", d)] / med[("jax.jit", d)] for d in depths if d >= 8),
-                    default=float("nan"))   # (--quick: no depth >= 8)
-        lines += [f"- {m}: searched {depths[-1]} / {depths[0]} layers = {flat:.2f} (the "
-                  f"sharded_scaling target: <= 1.5): {'MET' if flat <= 1.5 else 'MISSED'}",
-                  f"- {m}: searched / jax.jit, worst depth >= 8 = {worst:.2f} (target <= 1): "
-                  f"{'MET' if worst <= 1 else 'MISSED'}"]
+            a, st, b = med[("searched", d)], med[("stacked", d)], med[("jax.jit", d)]
+            rows.append(f"| {m} | {d} | {a:.2f} | {st:.2f} | {b:.2f} | {a / b:.2f} | "
+                        f"{st / b:.2f} |")
+        for c, params in (("searched", "per-layer"), ("stacked", "stacked")):
+            flat = med[(c, depths[-1])] / med[(c, depths[0])]
+            worst = max((med[(c, d)] / med[("jax.jit", d)] for d in depths if d >= 8),
+                        default=float("nan"))   # (--quick: no depth >= 8)
+            lines += [f"- {m}, {params} params: searched {depths[-1]} / {depths[0]} layers = "
+                      f"{flat:.2f} (the sharded_scaling target: <= 1.5): "
+                      f"{'MET' if flat <= 1.5 else 'MISSED'}",
+                      f"- {m}, {params} params: searched / jax.jit, worst depth >= 8 = "
+                      f"{worst:.2f} (target <= 1): {'MET' if worst <= 1 else 'MISSED'}"]
     return "\n".join([f"Trace + passes + search + lower + compile seconds, median of {repeat} "
                       f"processes, (2, 4) mesh of 8 simulated CPU devices:", "", *rows, "",
                       "Targets:", *lines])
@@ -199,7 +209,7 @@ def render(runs, models, depths, repeat: int) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     verdict: dict = {"flat": [], "bytes": [0, 0], "memory": [], "warnings": 0, "steps": []}
     for m in models:
-        for kind in _other_models.kinds(m):
+        for kind in _other_models.KINDS:
             secs = {d: statistics.median(x["seconds"] for x in runs[(m, kind, d, "search")])
                     for d in depths}
             ratio = secs[depths[-1]] / secs[depths[0]]

@@ -3,7 +3,8 @@ as written. The container round-trips, iterates and differentiates like the
 list it replaces; `reroll` feeds the stack itself to its scans and returns
 the stacked gradient without splitting it; the sharding search never shards
 the layer axis; the library GPT's AdamW step over stacked params equals the
-per-layer step."""
+per-layer step; a plain Flax NNX model takes them through
+`nnx.merge(graphdef, jb.unstack_layers(params))`."""
 
 import functools
 
@@ -255,6 +256,41 @@ def test_gpt_adamw_step_over_stacked_params_equals_the_per_layer_step():
     got = f(*args)
     assert "reroll.runs: 2" in str(f.last_report)
     testing.assert_close(got, want, scale=scale, what="stacked GPT AdamW step")
+
+
+def test_a_plain_nnx_model_merges_the_unstacked_layers_and_reads_the_stacks():
+    """A plain Flax NNX model (no dim names, `nnx.MultiHeadAttention`) over
+    `jb.stack_layers` of its `nnx.State`: the loss gives `nnx.merge`
+    `jb.unstack_layers(params)`, the per-layer State again, and the rolled
+    program reads the stacks themselves (no copies into stacks). Loss and
+    gradients equal the per-layer program's under jax.jit."""
+    import optax
+    from flax import nnx
+
+    from benchmarks._other_models import NNXGPT
+
+    gd, state = nnx.split(NNXGPT(L, 16, 2, 32, nnx.Rngs(0)), nnx.Param)
+
+    def loss(params, x, y):
+        logits = nnx.merge(gd, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def loss_stacked(params, x, y):
+        return loss(jb.unstack_layers(params), x, y)
+
+    x = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
+    y = jnp.roll(x, -1, axis=1)
+    stacked = jb.stack_layers(state)
+    assert isinstance(stacked["blocks"], jb.Stacked) and len(stacked["blocks"]) == L
+    f = jb.jit(jax.value_and_grad(loss_stacked))
+    got = f(stacked, x, y)
+    report = str(f.last_report)
+    assert "reroll.runs: 2" in report and "reroll.stacked_copies: 0" in report, report
+    vg = jax.value_and_grad(loss)
+    restack = lambda out: (out[0], jb.stack_layers(out[1]))   # noqa: E731
+    testing.assert_close(got, restack(jax.jit(vg)(state, x, y)),
+                         scale=lambda: restack(testing.abs_scale(vg, state, x, y)),
+                         what="plain NNX loss and gradients over stacked params")
 
 
 def test_gpt_over_stacked_params_under_a_mesh_never_shards_the_layer_axis():
