@@ -8,8 +8,7 @@ trained with gradient clipping on a schedule), written as a user would,
 through `jb.jit(step, mesh=)` on a (2, 4) mesh of 8 simulated CPU devices, with
 per-layer params (the `nnx.List` as it is) and stacked params
 (`jb.stack_layers`; linen: `nn.scan`; plain NNX: the loss merges
-`jb.unstack_layers(params)`), at 4 and
-16 layers:
+`jb.unstack_layers(params)`), at 4 and 16 layers:
 
 * seconds from trace to compiled executable, searched plan (median of
   `--repeat` processes, interleaved), and 16 layers / 4 layers: compile
@@ -149,6 +148,9 @@ def measure(models, depths, repeat: int) -> dict:
     return runs
 
 
+DEPTH_COLUMNS = (("searched", "per-layer"), ("stacked", "stacked"))   # (column, params)
+
+
 def measure_depth(models, depths, repeat: int) -> dict:
     """{(model, column, layers): [seconds]}: `jb.jit(mesh=)` searched on
     per-layer params ("searched") and on `jb.stack_layers` params
@@ -167,9 +169,6 @@ def measure_depth(models, depths, repeat: int) -> dict:
                     __file__, ["--child-jax", json.dumps([m, d])], f"{m} jax.jit {d}",
                     WARNING)["seconds"])
     return runs
-
-
-DEPTH_COLUMNS = (("searched", "per-layer"), ("stacked", "stacked"))   # (column, params)
 
 
 def render_depth(runs, models, depths, repeat: int) -> str:
