@@ -30,9 +30,11 @@ an `nnx.List` of blocks), for `other_models.py`:
   recipes do: gradients clipped to global norm 1, AdamW on a warmup-cosine
   schedule. Stacked params are `jb.stack_layers` of the `nnx.State`; the
   loss merges `jb.unstack_layers(params)` (`nnx.merge` wants the State
-  layer by layer, and gets it, split in the traced program).
+  layer by layer, and gets it, split in the traced program). With
+  `traced_once`, the model calls each block through one `jb.layer`, so
+  JAX traces a block once, not once per layer.
 
-`setup(name, layers, stacked)` returns (params, optax tx, step, batch, hand
+`setup(name, layers, stacked, traced_once)` returns (params, optax tx, step, batch, hand
 rule sets); `step(params, opt_state, *batch)` is the AdamW training step.
 """
 
@@ -52,6 +54,9 @@ from jaxbackend import nn
 
 MODELS = ("vit", "dit", "moe", "encdec", "localglobal", "linen", "nnx")
 KINDS = ("per-layer", "stacked")   # the params' forms measured, every model
+# setup's arguments per form ("stacked, jb.layer": the nnx model only)
+FORMS = {"per-layer": {}, "stacked": {"stacked": True},
+         "stacked, jb.layer": {"stacked": True, "traced_once": True}}
 
 
 class ViT(nnx.Module):
@@ -247,28 +252,36 @@ class NNXBlock(nnx.Module):
         return x + self.w2(nnx.gelu(self.w1(self.ln2(x))))
 
 
+# a block's call traced once, reused by every layer (`jb.layer`, NNX modules
+# as arguments): what `NNXGPT(..., traced_once=True)` calls
+_block_once = jb.layer(lambda block, x, mask: block(x, mask))
+
+
 class NNXGPT(nnx.Module):
-    def __init__(self, layers: int, embd: int, heads: int, vocab: int, rngs):
+    def __init__(self, layers: int, embd: int, heads: int, vocab: int, rngs,
+                 traced_once: bool = False):
         self.emb = nnx.Embed(vocab, embd, rngs=rngs)
         self.blocks = nnx.List([NNXBlock(embd, heads, rngs) for _ in range(layers)])
         self.ln = nnx.LayerNorm(embd, rngs=rngs)
+        self.traced_once = traced_once
 
     def __call__(self, tokens):
         x = self.emb(tokens)
         mask = nnx.make_causal_mask(tokens)
         for b in self.blocks:
-            x = b(x, mask)
+            x = _block_once(b, x, mask) if self.traced_once else b(x, mask)
         return self.emb.attend(self.ln(x))   # the output layer is the embedding, tied
 
 
-def _nnx(layers: int, stacked: bool):
+def _nnx(layers: int, stacked: bool, traced_once: bool):
     """(params, loss, megatron rules) of the plain NNX GPT, dims named by path
     as the plan names them (the first layer's stand for every layer's).
     stacked: `jb.stack_layers` of the `nnx.State`, which the loss gives
     `nnx.merge` as `jb.unstack_layers(params)` (the per-layer State again,
     split in the traced program the way `reroll` reads straight from the
-    stacks); a stacked param's axes count its leading layer axis."""
-    gd, params = nnx.split(NNXGPT(layers, 128, 4, 256, nnx.Rngs(0)), nnx.Param)
+    stacks); a stacked param's axes count its leading layer axis.
+    traced_once: the model calls its blocks through `jb.layer`."""
+    gd, params = nnx.split(NNXGPT(layers, 128, 4, 256, nnx.Rngs(0), traced_once), nnx.Param)
     if stacked:
         params = jb.stack_layers(params)
 
@@ -303,9 +316,13 @@ def _linen(layers: int, stacked: bool, batch):
     return params, loss, megatron
 
 
-def setup(name: str, layers: int, stacked: bool = False):
+def setup(name: str, layers: int, stacked: bool = False, traced_once: bool = False):
     """(params, tx, step, batch, hand rule sets) for model `name`; stacked:
-    `jb.stack_layers` of its params (linen: its own `nn.scan`)."""
+    `jb.stack_layers` of its params (linen: its own `nn.scan`); traced_once
+    (nnx only): its blocks called through `jb.layer`."""
+    if traced_once and name != "nnx":
+        raise ValueError(f"setup: traced_once is the nnx model's option; {name!r}'s blocks are "
+                         f"called as they are (the library's blocks trace once by themselves).")
     tx, r = optax.adamw(1e-3), nnx.Rngs(0)
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
     batch_dim = "batch"
@@ -343,7 +360,7 @@ def setup(name: str, layers: int, stacked: bool = False):
     elif name == "nnx":
         x = jax.random.randint(k1, (16, 64), 0, 256)
         batch = (x, jnp.roll(x, -1, axis=1))
-        params, loss, megatron = _nnx(layers, stacked)
+        params, loss, megatron = _nnx(layers, stacked, traced_once)
         batch_dim = "args[2]:0"
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
             optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)))

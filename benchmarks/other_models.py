@@ -31,8 +31,9 @@ Run: `python benchmarks/other_models.py` (`--models vit dit` for some, in
 a section of their own; `--repeat N`; `--quick` for a 2-layer smoke run
 that writes nothing). `--depth --models nnx`: the sharded_scaling depth
 table's question on another model, compile seconds of the searched step
-(per-layer and stacked params) at 4, 8, 16 and 32 layers against plain
-`jax.jit` placed data parallel (its layers unrolled).
+(per-layer and stacked params; the nnx model's stacked step also with its
+blocks called through `jb.layer`, traced once) at 4, 8, 16 and 32 layers
+against plain `jax.jit` placed data parallel (its layers unrolled).
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def run_point(model: str, kind: str, layers: int, rules_name: str, check: bool,
     import jax
 
     import jaxbackend as jb
-    from benchmarks._other_models import setup
+    from benchmarks._other_models import FORMS, setup
     from jaxbackend import sharding, testing
 
-    params, tx, step, batch, hand = setup(model, layers, stacked=kind == "stacked")
+    params, tx, step, batch, hand = setup(model, layers, **FORMS[kind])
     opt_state = tx.init(params)
     mesh = sharding.auto_mesh(MESH, ("data", "model"))
     rules = None if rules_name == "search" else hand[rules_name]
@@ -148,21 +149,25 @@ def measure(models, depths, repeat: int) -> dict:
     return runs
 
 
-DEPTH_COLUMNS = (("searched", "per-layer"), ("stacked", "stacked"))   # (column, params)
+def depth_columns(model: str) -> tuple:
+    """The searched columns of the depth table: (column, params form)."""
+    cols = (("searched", "per-layer"), ("stacked", "stacked"))
+    return cols + ((("once", "stacked, jb.layer"),) if model == "nnx" else ())
 
 
 def measure_depth(models, depths, repeat: int) -> dict:
     """{(model, column, layers): [seconds]}: `jb.jit(mesh=)` searched on
-    per-layer params ("searched") and on `jb.stack_layers` params
-    ("stacked"), and `jax.jit` placed data parallel, `repeat` processes
-    each, interleaved."""
+    per-layer params ("searched"), on `jb.stack_layers` params ("stacked")
+    and, for the nnx model, on stacked params with its blocks called
+    through `jb.layer` ("once"); and `jax.jit` placed data parallel;
+    `repeat` processes each, interleaved."""
     from benchmarks import _report
 
     runs: dict = {}
     for _ in range(repeat):
         for m in models:
             for d in depths:
-                for column, kind in DEPTH_COLUMNS:
+                for column, kind in depth_columns(m):
                     runs.setdefault((m, column, d), []).append(
                         spawn(m, kind, d, "search")["seconds"])
                 runs.setdefault((m, "jax.jit", d), []).append(_report.spawn_on_8_devices(
@@ -173,24 +178,31 @@ def measure_depth(models, depths, repeat: int) -> dict:
 
 def render_depth(runs, models, depths, repeat: int) -> str:
     rows = [f"| model | layers | `jb.jit(mesh=)` searched (s) | searched, stacked params (s) | "
-            f"`jax.jit` data parallel, unrolled (s) | searched / jax.jit | stacked / jax.jit |",
-            "|---|---|---|---|---|---|---|"]
+            f"searched, stacked params, blocks through `jb.layer` (s) | `jax.jit` data "
+            f"parallel, unrolled (s) | searched / jax.jit | stacked / jax.jit | stacked, "
+            f"`jb.layer` / jax.jit |", "|---|---|---|---|---|---|---|---|---|"]
     lines = []
     for m in models:
+        cols = depth_columns(m)
         med = {(c, d): statistics.median(runs[(m, c, d)])
-               for c in ("searched", "stacked", "jax.jit") for d in depths}
+               for c in [c for c, _ in cols] + ["jax.jit"] for d in depths}
         for d in depths:
-            a, st, b = med[("searched", d)], med[("stacked", d)], med[("jax.jit", d)]
-            rows.append(f"| {m} | {d} | {a:.2f} | {st:.2f} | {b:.2f} | {a / b:.2f} | "
-                        f"{st / b:.2f} |")
-        for c, params in (("searched", "per-layer"), ("stacked", "stacked")):
+            b = med[("jax.jit", d)]
+            secs = [med.get((c, d)) for c in ("searched", "stacked", "once")]
+            rows.append(f"| {m} | {d} | " + " | ".join("-" if x is None else f"{x:.2f}"
+                                                      for x in secs)
+                        + f" | {b:.2f} | " + " | ".join("-" if x is None else f"{x / b:.2f}"
+                                                       for x in secs) + " |")
+        for c, form in cols:
+            params = {"stacked, jb.layer": "stacked params, blocks through jb.layer"}.get(
+                form, f"{form} params")
             flat = med[(c, depths[-1])] / med[(c, depths[0])]
             worst = max((med[(c, d)] / med[("jax.jit", d)] for d in depths if d >= 8),
                         default=float("nan"))   # (--quick: no depth >= 8)
-            lines += [f"- {m}, {params} params: searched {depths[-1]} / {depths[0]} layers = "
+            lines += [f"- {m}, {params}: searched {depths[-1]} / {depths[0]} layers = "
                       f"{flat:.2f} (the sharded_scaling target: <= 1.5): "
                       f"{'MET' if flat <= 1.5 else 'MISSED'}",
-                      f"- {m}, {params} params: searched / jax.jit, worst depth >= 8 = "
+                      f"- {m}, {params}: searched / jax.jit, worst depth >= 8 = "
                       f"{worst:.2f} (target <= 1): {'MET' if worst <= 1 else 'MISSED'}"]
     return "\n".join([f"Trace + passes + search + lower + compile seconds, median of {repeat} "
                       f"processes, (2, 4) mesh of 8 simulated CPU devices:", "", *rows, "",

@@ -258,18 +258,23 @@ def test_gpt_adamw_step_over_stacked_params_equals_the_per_layer_step():
     testing.assert_close(got, want, scale=scale, what="stacked GPT AdamW step")
 
 
-def test_a_plain_nnx_model_merges_the_unstacked_layers_and_reads_the_stacks():
+@pytest.mark.parametrize("traced_once", [False, True],
+                         ids=["blocks called as they are", "blocks called through jb.layer"])
+def test_a_plain_nnx_model_merges_the_unstacked_layers_and_reads_the_stacks(traced_once):
     """A plain Flax NNX model (no dim names, `nnx.MultiHeadAttention`) over
     `jb.stack_layers` of its `nnx.State`: the loss gives `nnx.merge`
     `jb.unstack_layers(params)`, the per-layer State again, and the rolled
     program reads the stacks themselves (no copies into stacks). Loss and
-    gradients equal the per-layer program's under jax.jit."""
+    gradients equal the per-layer program's under jax.jit. With its blocks
+    called through one `jb.layer`, JAX traces a block once: the program
+    the passes get holds one layer's equations, not L layers'."""
     import optax
     from flax import nnx
 
     from benchmarks._other_models import NNXGPT
 
-    gd, state = nnx.split(NNXGPT(L, 16, 2, 32, nnx.Rngs(0)), nnx.Param)
+    gd, state = nnx.split(NNXGPT(L, 16, 2, 32, nnx.Rngs(0), traced_once=traced_once),
+                          nnx.Param)
 
     def loss(params, x, y):
         logits = nnx.merge(gd, params)(x)
@@ -286,6 +291,13 @@ def test_a_plain_nnx_model_merges_the_unstacked_layers_and_reads_the_stacks():
     got = f(stacked, x, y)
     report = str(f.last_report)
     assert "reroll.runs: 2" in report and "reroll.stacked_copies: 0" in report, report
+    # traced once: every layer is one call of one jaxpr (the block's 16
+    # weights, x and the mask in); else no call takes a block's inputs
+    fwd = jax.make_jaxpr(loss_stacked)(stacked, x, y).jaxpr
+    calls = [e for e in fwd.eqns
+             if e.primitive.name in _jax.CALL_PRIMITIVES and len(e.invars) >= 18]
+    bodies = {id(_jax.call_body(e)) for e in calls}
+    assert (len(calls), len(bodies)) == ((L, 1) if traced_once else (0, 0)), (len(calls), bodies)
     vg = jax.value_and_grad(loss)
     restack = lambda out: (out[0], jb.stack_layers(out[1]))   # noqa: E731
     testing.assert_close(got, restack(jax.jit(vg)(state, x, y)),
