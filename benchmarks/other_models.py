@@ -149,10 +149,16 @@ def measure(models, depths, repeat: int) -> dict:
     return runs
 
 
+# the searched columns of the depth table: (column, params form, what the
+# verdicts call it); "once" is the nnx model's only (`depth_columns`)
+DEPTH_COLUMNS = (("searched", "per-layer", "per-layer params"),
+                 ("stacked", "stacked", "stacked params"),
+                 ("once", "stacked, jb.layer", "stacked params, blocks through jb.layer"))
+
+
 def depth_columns(model: str) -> tuple:
-    """The searched columns of the depth table: (column, params form)."""
-    cols = (("searched", "per-layer"), ("stacked", "stacked"))
-    return cols + ((("once", "stacked, jb.layer"),) if model == "nnx" else ())
+    """`DEPTH_COLUMNS` measured for `model`: (column, params form)."""
+    return tuple((c, form) for c, form, _ in DEPTH_COLUMNS if c != "once" or model == "nnx")
 
 
 def measure_depth(models, depths, repeat: int) -> dict:
@@ -183,19 +189,19 @@ def render_depth(runs, models, depths, repeat: int) -> str:
             f"`jb.layer` / jax.jit |", "|---|---|---|---|---|---|---|---|---|"]
     lines = []
     for m in models:
-        cols = depth_columns(m)
-        med = {(c, d): statistics.median(runs[(m, c, d)])
-               for c in [c for c, _ in cols] + ["jax.jit"] for d in depths}
+        cols = [c for c, _ in depth_columns(m)]
+        med = {(c, d): statistics.median(runs[(m, c, d)]) for c in cols + ["jax.jit"]
+               for d in depths}
         for d in depths:
             b = med[("jax.jit", d)]
-            secs = [med.get((c, d)) for c in ("searched", "stacked", "once")]
+            secs = [med.get((c, d)) for c, _, _ in DEPTH_COLUMNS]
             rows.append(f"| {m} | {d} | " + " | ".join("-" if x is None else f"{x:.2f}"
                                                       for x in secs)
                         + f" | {b:.2f} | " + " | ".join("-" if x is None else f"{x / b:.2f}"
                                                        for x in secs) + " |")
-        for c, form in cols:
-            params = {"stacked, jb.layer": "stacked params, blocks through jb.layer"}.get(
-                form, f"{form} params")
+        for c, _, params in DEPTH_COLUMNS:
+            if c not in cols:
+                continue
             flat = med[(c, depths[-1])] / med[(c, depths[0])]
             worst = max((med[(c, d)] / med[("jax.jit", d)] for d in depths if d >= 8),
                         default=float("nan"))   # (--quick: no depth >= 8)
