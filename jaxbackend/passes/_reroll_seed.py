@@ -87,7 +87,7 @@ def _sum_heads(jaxpr, graph, run, heads: dict) -> None:
             d = g.defs.get(v) if _jax.is_var(v) else None
         if d is None or not lo <= d[0] < run.start or not _jax.is_var(v):
             continue
-        if np.dtype(v.aval.dtype).kind == "f":
+        if isinstance(v.aval.dtype, np.dtype) and v.aval.dtype.kind == "f":   # a key: no np.dtype
             heads.setdefault(v, (d[0], link))
 
 

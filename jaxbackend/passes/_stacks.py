@@ -139,7 +139,9 @@ def as_bits(aval):
     their bytes, 24 MiB for 8 (measured, one CPU, JAX 0.10). The same bits
     as uint16 are updated in place, and the scans that read them bitcast
     each entry back: bit for bit the same values."""
-    return _BITS.get(jnp.dtype(aval.dtype)) if hasattr(aval, "dtype") else None
+    dtype = getattr(aval, "dtype", None)
+    # a PRNG key's extended dtype is no np.dtype (np.dtype() of it raises): stacked as it is
+    return _BITS.get(dtype) if isinstance(dtype, np.dtype) else None
 
 
 def bits_aval(aval):

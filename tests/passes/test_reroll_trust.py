@@ -351,6 +351,30 @@ def test_layers_that_are_one_checkpoint_equation_roll():
                  what="rolled value_and_grad")
 
 
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "uint32"])
+def test_checkpointed_layers_taking_a_prng_key_each_roll(make_key):
+    # dropout with one key per layer (fold_in(key, i)), the layer under
+    # jax.checkpoint: the keys are per-layer inputs of the remat equations,
+    # so the scan stacks them; a typed key's extended dtype is no np.dtype
+    def layer(x, w, key):
+        keep = jax.random.bernoulli(key, 0.8, x.shape)
+        return jnp.where(keep, jnp.tanh(x @ w) / 0.8, 0.0) + x
+
+    def model(x, ws, key):
+        for i, w in enumerate(ws):
+            x = jax.checkpoint(layer)(x, w, jax.random.fold_in(key, i))
+        return (x ** 2).sum()
+
+    x, ws, key = _x(4, 3), _ws(), make_key(0)
+    vg = jax.make_jaxpr(jax.value_and_grad(model, argnums=(0, 1)))(x, ws, key)
+    out, stats = _rolled(vg)
+    assert _scans(out) == 2 and stats.repeats == [N, N]
+    want = jax.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, ws, key)
+    scale = abs_scale(jax.value_and_grad(model, argnums=(0, 1)), x, ws, key)
+    assert_close(jb.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, ws, key), want,
+                 scale=scale, what="rolled value_and_grad with per-layer keys")
+
+
 def test_sub_layer_loops_inside_a_rolled_block_roll_in_the_same_pass():
     # each layer is one remat equation holding a loop of sub-layers: the
     # outer scan's body is block 0's equation, whose sub-jaxpr must be
