@@ -274,8 +274,8 @@ class NNXGPT(nnx.Module):
 
 
 def _nnx(layers: int, stacked: bool, traced_once: bool):
-    """(params, loss, megatron rules) of the plain NNX GPT, dims named by path
-    as the plan names them (the first layer's stand for every layer's).
+    """(params, loss, megatron rules) of the plain NNX GPT, dims named by input
+    path and axis (the first layer's path names that axis in every layer).
     stacked: `jb.stack_layers` of the `nnx.State`, which the loss gives
     `nnx.merge` as `jb.unstack_layers(params)` (the per-layer State again,
     split in the traced program the way `reroll` reads straight from the
@@ -297,7 +297,7 @@ def _nnx(layers: int, stacked: bool, traced_once: bool):
 
 def _linen(layers: int, stacked: bool, batch):
     """(params, loss, megatron rules) of the linen GPT: its dims are named by
-    path (the plan's names: the first layer's stand for every layer's, and a
+    path (the first layer's path names that axis in every layer, and a
     scanned param's axes count its leading layer axis)."""
     lm = LinenGPT(layers, 128, 4, 256, stacked)
     params = jax.jit(lm.init)(jax.random.key(0), batch[0])

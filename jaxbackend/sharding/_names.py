@@ -4,17 +4,24 @@ A plan a user reads names every sharded dim. A dim class that no NamedArray
 and no named einsum labels is named after where it comes from: the first
 program input holding it, by its argument path and axis
 (`args[0]['tok']['embedding']:0`), else the first equation making it, by
-primitive, user source line and axis (`gather@model.py:88:2`). A dim one of
-jaxbackend's passes made has no user line: the layer axis `reroll` stacks
-per-layer values on is `layers` (`layers_1`, ... for further rolled loops),
-any other is named by primitive and axis. These are ordinary rule names:
-`rules={"args[3]:1": "data"}` shards that dim, as does a rule naming any
-other input axis of it (`Graph.path_alias`).
+primitive, user source line and axis (`gather@model.py:88:2`). Where the
+inputs holding it are one path with numbers that vary (the same weight's
+axis in every layer of a per-layer list, linen's `Block_0`, `Block_1`,
+...), those numbers read `*` (`args[0]['layers'][*]['w1']:1`), provided
+every input axis the pattern matches holds that dim: a plan names all the
+layers' axis, not layer 0's. The argument's index and the axis stay
+numbers. A dim one of jaxbackend's passes made has no user line: the layer
+axis `reroll` stacks per-layer values on is `layers` (`layers_1`, ... for
+further rolled loops), any other is named by primitive and axis. These
+are ordinary rule names: `rules={"args[3]:1": "data"}` shards that dim, as
+does a rule naming any other input axis of it (`Graph.path_alias`), such
+as one layer's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 from jaxbackend import _jax, passes
 from jaxbackend.passes import _stacks
@@ -26,10 +33,16 @@ def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
     and axis), else the first equation making it ("gather@model.py:88:0",
     primitive, source line, axis); repeats get "_1", "_2"."""
     where: dict = {}
+    held: dict = {}          # unnamed key -> the input axes holding it, in order
+    by_skeleton: dict = {}   # every input axis, by its text with each number blanked
     for i, v in enumerate(invars):
         for a, c in enumerate(var_classes[v]):
-            if c not in composite:
-                where.setdefault(class_key[c], f"{in_paths[i]}:{a}")
+            name = f"{in_paths[i]}:{a}"
+            by_skeleton.setdefault(_NUMBER.sub("#", name), []).append(name)
+            if c not in composite and key_names[class_key[c]] is None:
+                held.setdefault(class_key[c], []).append(name)
+    for k, names in held.items():
+        where[k] = _wildcard(names, by_skeleton)
     for v in sorted(origin):
         eqn = origin[v]
         for a, c in enumerate(var_classes[v]):
@@ -45,6 +58,47 @@ def name_unnamed(key_names, class_key, composite, var_classes, invars, in_paths,
                 name = f"{base}_{j}"
             key_names[k] = name
             taken.add(name)
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _wildcard(names: list, by_skeleton: dict) -> str:
+    """The first of `names` (the input axes holding one key) with `*` for
+    the numbers that vary among them (a layer index; not the `1` of `w1`,
+    never the argument's index or the axis after the colon). Greedy: each number made `*` must
+    cover more of `names`, and the pattern must match no input axis outside
+    `names`. The first name as it is where no number qualifies."""
+    first = names[0]
+    skeleton, nums = _NUMBER.sub("#", first), _NUMBER.findall(first)
+    rows = [_NUMBER.findall(n) for n in names[1:] if _NUMBER.sub("#", n) == skeleton]
+    mine, others = set(names), by_skeleton[skeleton]
+
+    def covered(vary) -> int:   # names agreeing with the first outside `vary`
+        return sum(all(r[j] == nums[j] for j in range(len(nums)) if j not in vary) for r in rows)
+
+    def safe(vary) -> bool:
+        pattern = re.compile(_spell(first, nums, vary, r"\d+", re.escape))
+        return not any(n not in mine and pattern.fullmatch(n) for n in others)
+
+    vary: frozenset = frozenset()
+    best = 0
+    while rows:
+        grown = [(covered(vary | {j}), j) for j in range(1, len(nums) - 1) if j not in vary]
+        grown = [(c, j) for c, j in grown if c > best and safe(vary | {j})]
+        if not grown:
+            break
+        best, j = max(grown, key=lambda cj: (cj[0], -cj[1]))   # a tie: the first number
+        vary |= {j}
+    return _spell(first, nums, vary, "*", str) if vary else first
+
+
+def _spell(text: str, nums: list, vary, star: str, quote) -> str:
+    """`text` with the numbers at the positions in `vary` replaced by
+    `star`, the rest of it passed through `quote`."""
+    parts = _NUMBER.split(text)
+    return "".join(quote(p) + ("" if j == len(nums) else star if j in vary else quote(nums[j]))
+                   for j, p in enumerate(parts))
 
 
 def _origin_name(eqn, axis: int) -> str:

@@ -374,6 +374,31 @@ def test_plan_names_every_dim_after_where_it_comes_from(mesh):
     assert all(n in table for n in plan.rules)
 
 
+def test_a_per_layer_weight_axis_is_named_for_every_layer(mesh):
+    # each layer's w1 axis 1 is one dim of the rolled program: its name has
+    # `*` for the layer index (not layer 0's path; the `1` of `w1` stays),
+    # and it is a rule name, as is the path of that axis in any one layer
+    from jaxbackend import passes
+
+    def loss(params, x):
+        for p in params["layers"]:
+            x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+        return (x ** 2).sum()
+
+    params = {"layers": [{"w1": jnp.full((16, 32), 0.01 * (i + 1)), "w2": jnp.full((32, 16), 0.01)}
+                         for i in range(passes.REROLL_MIN_REPEATS + 1)]}
+    x = jnp.ones((8, 16))
+    f = jb.jit(jax.grad(loss), mesh=mesh)
+    f.lower(params, x)
+    names = set(f.plan.model.g.key_names)
+    assert {"args[0]['layers'][*]['w1']:1", "args[0]['layers'][*]['w1']:0"} <= names, sorted(names)
+    assert not [n for n in names if "['layers'][0]" in n], sorted(names)
+    for rule in ("args[0]['layers'][*]['w1']:1", "args[0]['layers'][3]['w2']:0"):
+        g = jb.jit(jax.grad(loss), mesh=mesh, rules={rule: "model"})
+        g.lower(params, x)
+        assert g.plan.rules["args[0]['layers'][*]['w1']:1"] == "model", (rule, g.plan.rules)
+
+
 def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
     # reroll stacks per-layer values on a new leading axis (here each layer's
     # dropout mask, drawn from its own key); a plan, and the error listing a
