@@ -149,6 +149,32 @@ def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def forwards(new, old) -> bool:
+    """Whether the traced value `new` is `old` itself, passed through call-
+    like equations (checkpoint, jit, closed_call, custom_jvp/vjp calls)
+    whose bodies return that operand unchanged: a Flax NNX transform
+    (`nnx.remat`) writes every Variable of its module back, so a Param
+    holds a new tracer of the same value. False wherever it cannot tell.
+    JAX 0.10: a `DynamicJaxprTracer` has `.val` (its Var) and `.parent`,
+    the `TracingEqn` making it (`in_tracers`, `outvars`, `primitive`,
+    `params`); upstream may rename these: then this says False."""
+    for _ in range(64):   # nested calls; a chain this deep is not a forward
+        if new is old:
+            return True
+        eqn = getattr(new, "parent", None)
+        try:
+            body = call_body(eqn) if eqn is not None else None
+            if body is None:
+                return False
+            inner = body.jaxpr.outvars[list(eqn.outvars).index(new.val)]
+            if not is_var(inner) or inner not in body.jaxpr.invars:
+                return False
+            new = eqn.in_tracers[body.jaxpr.invars.index(inner)]
+        except (AttributeError, ValueError, IndexError, KeyError):
+            return False
+    return False
+
+
 # The closed/open split. JAX 0.10: a ClosedJaxpr is an open Jaxpr plus the
 # values of its constvars; equation params hold sub-jaxprs of either kind
 # (jit, scan, cond, custom calls: ClosedJaxpr; remat's: open Jaxpr),

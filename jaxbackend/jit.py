@@ -166,8 +166,10 @@ def _check_nnx_unchanged(fn, watched, out) -> None:
                 if isinstance(obj, kinds) for x in jax.tree.leaves(obj)}
     for where, obj, leaves, tree in watched:
         now, now_tree = jax.tree_util.tree_flatten_with_path(obj)
+        # `forwards`: a value written back unchanged (nnx.remat writes every
+        # Variable of its module back) loses nothing
         changed = [jax.tree_util.keystr(p) for (p, a), (_, b) in zip(leaves, now)
-                   if a is not b and id(b) not in returned]
+                   if a is not b and id(b) not in returned and not _jax.forwards(b, a)]
         if changed or now_tree != tree:
             raise TypeError(
                 f"jb.jit: {getattr(fn, '__name__', 'fn')} updated Flax NNX state at "

@@ -359,6 +359,44 @@ def test_nnx_state_update_returned_as_state_is_kept_like_jax_jit():
     assert float(v[...]) == 64.0
 
 
+def test_nnx_remat_writing_params_back_unchanged_is_not_an_update():
+    # nnx.remat writes every Variable of its module back: the Params the
+    # step was given hold new tracers of the same values, which loses
+    # nothing, so the step runs as under jax.jit; a Param really changed
+    # inside the remat is still refused
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+
+    def step(params, rest, x):
+        m = nnx.merge(graphdef, params, rest)
+        y = nnx.remat(lambda m, x: m(x))(m, x)
+        return y.sum(), nnx.state(m, nnx.Not(nnx.Param))
+
+    def bump(m, x):
+        m.lin.bias[...] = m.lin.bias[...] + 1.0
+        return m(x)
+
+    def bumping(params, rest, x):
+        m = nnx.merge(graphdef, params, rest)
+        return nnx.remat(bump)(m, x).sum()
+
+    x = jnp.ones((2, 4))
+    (loss, _), (want, _) = jb.jit(step)(params, rest, x), jax.jit(step)(params, rest, x)
+    np.testing.assert_array_equal(loss, want)
+    with pytest.raises(TypeError, match=r"bumping updated Flax NNX state at "
+                                        r"args\[0\]\['lin'\]\['bias'\]"):
+        jb.jit(bumping)(params, rest, x)
+
+
 def test_nnx_module_read_only_works_like_jax_jit():
     nnx, model, _, x, _ = _nnx_setup()
     out = jb.jit(lambda m, x: m(x))(model, x)
