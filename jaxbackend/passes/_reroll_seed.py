@@ -44,8 +44,9 @@ the literal keeps its sign through `cse` (literals are keyed by their bytes).
 `lifted(jaxpr)` is the third seed, tried before the runs are found, for
 per-layer dropout keys. A key folded with the layer index (`fold_in(key, i)`)
 makes each layer's block differ in that literal, and keys split once and
-read per layer (`keys[i]`, a static slice and a squeeze in each layer) in
-the slice's index, so no block repeats. The data operand of every
+read per layer (`keys[i]`, a static slice and a squeeze in each layer; of
+a raw `jax.random.PRNGKey`'s split, the slice reads the `random_unwrap`ped
+uint32 data) in the slice's index, so no block repeats. The data operand of every
 `random_fold_in` that is a literal becomes a variable of the same value
 (made before everything), and each key slice (with its squeeze) moves to
 right after the keys are made; the blocks then repeat, and each reads its
@@ -188,11 +189,13 @@ def covered(runs) -> int:
     return sum(r.period * r.repeats for r in runs)
 
 
-def _key_slice(e, sliced) -> bool:
-    """A static slice of a key array, or the squeeze of one (`keys[i]`)."""
+def _key_slice(e, sliced, raw) -> bool:
+    """A static slice of a key array (typed, or a raw key's data: made by
+    `random_unwrap`, in `raw`), or the squeeze of one (`keys[i]`)."""
     if e.primitive.name == "slice":
         v = e.invars[0]
-        return _jax.is_var(v) and jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+        return _jax.is_var(v) and (v in raw or jax.dtypes.issubdtype(v.aval.dtype,
+                                                                      jax.dtypes.prng_key))
     return e.primitive.name == "squeeze" and _jax.is_var(e.invars[0]) and e.invars[0] in sliced
 
 
@@ -205,10 +208,13 @@ def lifted(jaxpr):
     fill = _Fills()
     after: dict = {}        # var -> the key slices (squeezes) that read it, moved up
     sliced: set = set()
+    raw: set = set()        # raw keys' data (jax.random.PRNGKey's uint32 pairs)
     rest: list = []
     n = 0
     for e in jaxpr.eqns:
-        if _key_slice(e, sliced):
+        if e.primitive.name == "random_unwrap":
+            raw.add(e.outvars[0])
+        if _key_slice(e, sliced, raw):
             after.setdefault(e.invars[0], []).append(e)
             sliced.add(e.outvars[0])
             n += e.primitive.name == "slice"

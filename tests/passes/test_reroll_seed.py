@@ -150,15 +150,17 @@ def _dropout_loss(key, x, ws, how):
     return (x ** 2).sum()
 
 
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 @pytest.mark.parametrize("how", ["fold_in", "split"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_per_layer_dropout_keys_roll_every_layer(grad, how):
+def test_per_layer_dropout_keys_roll_every_layer(grad, how, make_key):
     # fold_in(key, i): each layer reads its own literal i; keys[i]: each
-    # layer slices the split keys at its own index. No two blocks are alike
-    # until `_reroll_seed.lifted` makes the keys before the layers
+    # layer slices the split keys at its own index (a raw PRNGKey's split:
+    # its uint32 data). No two blocks are alike until
+    # `_reroll_seed.lifted` makes the keys before the layers
     layers = 6
     ws = [(rand(10 + i, D, 8) * .4, rand(40 + i, 8, D) * .4) for i in range(layers)]
-    args = (jax.random.key(5), rand(7, 3, D), ws)
+    args = (make_key(5), rand(7, 3, D), ws)
     loss = functools.partial(_dropout_loss, how=how)
     fn = jax.value_and_grad(loss, argnums=(1, 2)) if grad else loss
     closed = jax.make_jaxpr(fn)(*args)
