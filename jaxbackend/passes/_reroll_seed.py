@@ -46,11 +46,12 @@ per-layer dropout keys. A key folded with the layer index (`fold_in(key, i)`)
 makes each layer's block differ in that literal, and keys split once and
 read per layer (`keys[i]`, a static slice and a squeeze in each layer; of
 a raw `jax.random.PRNGKey`'s split, the slice reads the `random_unwrap`ped
-uint32 data) in the slice's index, so no block repeats. The data operand of every
-`random_fold_in` that is a literal becomes a variable of the same value
-(made before everything), and each key slice (with its squeeze) moves to
-right after the keys are made; the blocks then repeat, and each reads its
-own index or key as a per-layer input, stacked for the scan as weights are.
+uint32 data) in the slice's index, so no block repeats. The data operand
+of every `random_fold_in` that is a literal becomes a variable of the same
+value (made before everything), and each key slice (with its squeeze)
+moves to right after the keys are made; the blocks then repeat, and each
+reads its own index or key as a per-layer input, stacked for the scan as
+weights are.
 The values stay the same: the variable holds the literal's value in its
 dtype, `random_fold_in` reads only that value, and a slice of keys moved
 earlier reads the same keys (pure equations; only their order changes).

@@ -66,9 +66,10 @@ _NUMBER = re.compile(r"\d+")
 def _wildcard(names: list, by_skeleton: dict) -> str:
     """The first of `names` (the input axes holding one key) with `*` for
     the numbers that vary among them (a layer index; not the `1` of `w1`,
-    never the argument's index or the axis after the colon). Greedy: each number made `*` must
-    cover more of `names`, and the pattern must match no input axis outside
-    `names`. The first name as it is where no number qualifies."""
+    never the argument's index or the axis after the colon). Greedy: each
+    number made `*` must cover more of `names`, and the pattern must match
+    no input axis outside `names`. The first name as it is where no number
+    qualifies."""
     first = names[0]
     skeleton, nums = _NUMBER.sub("#", first), _NUMBER.findall(first)
     rows = [_NUMBER.findall(n) for n in names[1:] if _NUMBER.sub("#", n) == skeleton]
