@@ -19,7 +19,8 @@ Flax logical axis rules. This module is the one place that reads them:
   one of the program's dims is an error instead);
 * `to_masks`: rules -> one mesh-axis bit mask per key of a sharding graph
   (the search's representation), merged dims taking their major factor's,
-  and the names `split_unused` left unused.
+  and the names `split_unused` left unused. A rule may name a dim by any
+  input axis of it, with `*` for a layer index (`aliases`).
 
 Rules are read, never changed: every function returns a new value.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from typing import Mapping, Union
 
 from jax.sharding import PartitionSpec
@@ -135,7 +137,7 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
     naming both. A name split by a reshape stays in the rules (`to_masks`
     says which factor to name)."""
     g, dims = graph, dim_names(graph)
-    unknown = sorted(set(rules) - set(dims) - set(g.path_alias) - set(g.path_factors))
+    unknown = sorted(set(rules) - set(dims) - set(aliases(rules, g)) - set(g.path_factors))
     plain = [n for n in dims if _plain(n)]
     for n in unknown:
         near = difflib.get_close_matches(n, plain, n=1, cutoff=0.8) if _plain(n) else []
@@ -144,6 +146,30 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
                              f"{near[0]!r}? Its dims are {dims}; fix the spelling (a rule "
                              f"for a dim the program lacks is unused).")
     return {d: a for d, a in rules.items() if d not in unknown}, unknown
+
+
+def aliases(rules, graph) -> dict:
+    """`graph.path_alias` (input axes, by path, that are a key of another
+    name) plus each rule name with `*` for a number (a layer index:
+    `args[0]['layers'][*]['w2']:0`, as the plan spells its own names) whose
+    matches among the input axes are all one key; ValueError where they are
+    several dims."""
+    g, found = graph, dict(graph.path_alias)
+    star = [n for n in rules if "*" in n and n not in g.key_names and n not in found]
+    if not star:
+        return found
+    named = {n: k for k, n in enumerate(g.key_names)}
+    for n in star:
+        pattern = re.compile(re.escape(n).replace(r"\*", r"\d+"))
+        keys = {k for spelled in (found, named) for m, k in spelled.items()
+                if pattern.fullmatch(m)}
+        if len(keys) > 1:
+            raise ValueError(f"rules: {n!r} matches input axes of {len(keys)} dims of the plan "
+                             f"({', '.join(sorted(repr(g.key_names[k]) for k in keys))}); "
+                             f"name one of them.")
+        if keys:
+            found[n] = keys.pop()
+    return found
 
 
 def dim_names(graph) -> list:
@@ -182,8 +208,9 @@ def to_masks(rules: Rules, graph, mesh) -> tuple[list[int], list[str]]:
             f"(a batch into micro-batches, say): a plan shards those, not it; name the one to "
             f"shard (rules={{{parts[-1]!r}: ...}} shards the last).")
     given_as: dict = {}   # the plan's name of a dim -> the spelling a rule used
-    for alias in [a for a in rules if a in g.path_alias]:   # another input axis of one dim
-        name = g.key_names[g.path_alias[alias]]
+    alias_of = aliases(rules, g)
+    for alias in [a for a in rules if a in alias_of]:   # another input axis of one dim
+        name = g.key_names[alias_of[alias]]
         other = given_as.get(name, name)
         _fold(rules, alias, name, lambda: (
             f"rules: {alias!r} and {other!r} are one dim of the plan (called {name!r}), "

@@ -393,10 +393,16 @@ def test_a_per_layer_weight_axis_is_named_for_every_layer(mesh):
     names = set(f.plan.model.g.key_names)
     assert {"args[0]['layers'][*]['w1']:1", "args[0]['layers'][*]['w1']:0"} <= names, sorted(names)
     assert not [n for n in names if "['layers'][0]" in n], sorted(names)
-    for rule in ("args[0]['layers'][*]['w1']:1", "args[0]['layers'][3]['w2']:0"):
+    for rule in ("args[0]['layers'][*]['w1']:1", "args[0]['layers'][3]['w2']:0",
+                 "args[0]['layers'][*]['w2']:0"):
         g = jb.jit(jax.grad(loss), mesh=mesh, rules={rule: "model"})
         g.lower(params, x)
         assert g.plan.rules["args[0]['layers'][*]['w1']:1"] == "model", (rule, g.plan.rules)
+    # a `*` matching input axes of two dims (w1's rows and columns) is refused
+    with pytest.raises(ValueError, match=r"rules: \"args\[0\]\['layers'\]\[\*\]\['w1'\]:\*\" "
+                                         r"matches input axes of 2 dims of the plan"):
+        jb.jit(jax.grad(loss), mesh=mesh,
+               rules={"args[0]['layers'][*]['w1']:*": "model"}).lower(params, x)
 
 
 def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
