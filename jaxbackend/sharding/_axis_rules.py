@@ -133,14 +133,17 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
     given program lacks (`vocab` in a ViT, `kv_head` without grouped
     heads), and those rules go unused, as there. A name that is not a dim
     of the program but close to one of its dim names (`layer` for
-    `layers`, `bacth` for `batch`) is taken for a misspelling: ValueError
+    `layers`, `bacth` for `batch`; an input path nearly one of the
+    program's, of the same argument) is taken for a misspelling: ValueError
     naming both. A name split by a reshape stays in the rules (`to_masks`
     says which factor to name)."""
     g, dims = graph, dim_names(graph)
     unknown = sorted(set(rules) - set(dims) - set(aliases(rules, g)) - set(g.path_factors))
     plain = [n for n in dims if _plain(n)]
+    paths = [n for n in (*dims, *g.path_alias) if not _plain(n)]
     for n in unknown:
-        near = difflib.get_close_matches(n, plain, n=1, cutoff=0.8) if _plain(n) else []
+        near = difflib.get_close_matches(n, plain if _plain(n) else _same_argument(n, paths),
+                                         n=1, cutoff=0.8 if _plain(n) else 0.85)
         if near:
             raise ValueError(f"rules: {n!r} names no dim of this program; did you mean "
                              f"{near[0]!r}? Its dims are {dims}; fix the spelling (a rule "
@@ -176,6 +179,21 @@ def dim_names(graph) -> list:
     """The names of `graph`'s dims (a sharding graph's keys, and the merged
     dims laid out by one of them), sorted: what messages list."""
     return sorted(set(graph.key_names) | set(graph.key_alias))
+
+
+def _same_argument(name: str, paths: list) -> list:
+    """The names in `paths` a misspelling of `name` (not a plain name) may
+    be: those of the same argument (`args[0]['layers'][*]['wl']:1` for
+    `args[0]['layers'][*]['w1']:1`), or any where `name` names no argument
+    (`arg[1]:0`); none for an argument the program lacks (`args[5]:0`, a
+    rule for a family of models)."""
+    m = _ARGUMENT.match(name)
+    if m is None:
+        return paths
+    return [p for p in paths if p.startswith(m.group(0))]
+
+
+_ARGUMENT = re.compile(r"(args|kwargs)\[[^\]]*\]")
 
 
 def _plain(name: str) -> bool:

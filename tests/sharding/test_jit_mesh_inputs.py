@@ -6,6 +6,8 @@ dims named by the path a user indexes, rules naming a dim by any input
 axis holding it, rules for dims the program lacks (and misspelt ones),
 and one naming a scan's axis."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -276,6 +278,13 @@ def test_rules_for_dims_a_program_lacks_are_unused_and_misspellings_are_errors(m
     with pytest.raises(ValueError, match=r"'bacth' names no dim of this program; did you mean "
                                          r"'batch'\?"):
         jb.jit(loss, mesh=mesh, rules={"bacth": "data"}).lower(w, x)
+    # so is an input path nearly one of the program's (args[5]:0 above names
+    # an argument the program lacks: unused)
+    for typo, meant in (("arg[1]:0", "args[1]:0"), ("args[1]]:0", "args[1]:0")):
+        with pytest.raises(ValueError, match=rf"'{re.escape(typo)}' names no dim of this "
+                                             rf"program; did you mean '{re.escape(meant)}'\?"):
+            jb.jit(lambda w, x: loss(w, nx.as_named(x, ("batch", "embd"))), mesh=mesh,
+                   rules={typo: "data"}).lower(w, x.values)
     # a list of pairs in Flax's (MaxText's) style: a dim's first rule is its
     # own, the later ones are fallbacks
     f = jb.jit(loss, mesh=mesh, rules=[("batch", "data"), ("mlp", "model"), ("mlp", "data")])
