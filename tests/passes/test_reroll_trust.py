@@ -351,7 +351,7 @@ def test_layers_that_are_one_checkpoint_equation_roll():
                  what="rolled value_and_grad")
 
 
-@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "uint32"])
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 def test_checkpointed_layers_taking_a_prng_key_each_roll(make_key):
     # dropout with one key per layer (fold_in(key, i)), the layer under
     # jax.checkpoint: the keys are per-layer inputs of the remat equations,
