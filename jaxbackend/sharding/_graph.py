@@ -139,6 +139,10 @@ class Graph:
     path_factors: Mapping = dataclasses.field(default_factory=dict)
     # key of a dim never sharded (size > 1) -> why, for an error (`LOOP`, `WINDOW`)
     unshardable: Mapping = dataclasses.field(default_factory=dict)
+    # (key, mesh axes, the mesh's axis names) per axis the user's own
+    # `with_sharding_constraint` lays out (unconstrained axes and merged
+    # dims left out): layouts a searched plan keeps (`_search.search_space`)
+    constraints: tuple = ()
 
     @property
     def n_classes(self) -> int:
@@ -179,6 +183,7 @@ class Builder:
         self.stack_parts: dict = {}    # var -> (equal-shaped operands concatenated on axis 0, op)
         self.stacks: set = set()       # of those, the ones a reshape splits into a stack
         self.half: dict = {}           # 16-bit float var -> "bfloat16" | "float16"
+        self.constraints: list = []    # (var, `_jax.constraint_axes`): the user's own layouts
 
     # -- variables and union-find ---------------------------------------------
     def add_var(self, shape, itemsize: int, half: str | None = None) -> int:
@@ -380,4 +385,8 @@ class Builder:
             key_alias=key_alias, factor_keys=factor_keys,
             key_extents=tuple(tuple(sorted(e)) for e in key_extents), half=dict(self.half),
             path_alias=path_alias, path_factors=path_factors,
+            constraints=tuple((class_key[var_classes[v][a]], axes, names)
+                              for v, (names, spec) in self.constraints
+                              for a, axes in enumerate(spec)
+                              if axes is not None and var_classes[v][a] not in composite),
             unshardable={class_key[c]: why for c, why in why_of.items() if c not in composite})

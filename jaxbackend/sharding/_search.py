@@ -77,12 +77,37 @@ def planned_keys(cm) -> set:
     return held | set(g.factor_keys) | {g.class_key[c] for c in g.class_names}
 
 
+def user_layouts(cm) -> dict:
+    """key -> mask for the dims the user's own `with_sharding_constraint`
+    lays out (on a mesh with this mesh's axis names): the plan keeps them,
+    as XLA would reshard at every constraint the plan disagreed with. A dim
+    two constraints lay out differently, or whose size the axes do not
+    divide, is left to the search."""
+    g, mesh = cm.g, cm.mesh
+    found: dict = {}
+    for k, axes, names in g.constraints:
+        if tuple(names) != tuple(mesh.axis_names):
+            continue
+        m = mesh.mask(axes)
+        if g.key_size[k] % int(mesh.group_size[m]) or found.get(k, m) != m:
+            found[k] = None
+        else:
+            found[k] = m
+    return {k: m for k, m in found.items() if m is not None}
+
+
 def search_space(cm):
-    """(searched keys, options per key as mask arrays)."""
+    """(searched keys, options per key as mask arrays); a dim the user's
+    own sharding constraints lay out has that layout as its one option."""
     g, mesh = cm.g, cm.mesh
     planned = planned_keys(cm)
+    fixed = user_layouts(cm)
     keys, options = [], []
     for k in range(cm.n_keys):
+        if k in fixed and g.key_size[k] > 1:
+            keys.append(k)
+            options.append(np.array([fixed[k]], np.int64))
+            continue
         if k not in planned or g.key_size[k] <= 1:
             continue
         opts = [m for m in range(1 << len(mesh.axis_names))

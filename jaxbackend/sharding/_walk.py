@@ -98,6 +98,8 @@ def _walk(b, jaxpr, env, mult):
         else:
             outs = [b.var_of(x.aval) for x in eqn.outvars]
             dim_rule(name)(b, eqn, ins, outs, mult)
+            if name == "sharding_constraint" and (pin := _jax.constraint_axes(eqn)) is not None:
+                b.constraints.append((outs[0], pin))   # the user's own layout: kept by the plan
             for v in outs:
                 b.origin[v] = eqn
             for v in ins:

@@ -405,6 +405,38 @@ def test_a_per_layer_weight_axis_is_named_for_every_layer(mesh):
                rules={"args[0]['layers'][*]['w1']:*": "model"}).lower(params, x)
 
 
+@pytest.mark.parametrize("axis", ["data", "model"])
+def test_a_searched_plan_keeps_the_users_own_sharding_constraints(mesh, axis):
+    # the step pins its activations' batch to `axis` in every (rolled)
+    # layer; a plan laying batch out otherwise makes XLA reshard at each
+    # constraint (all-to-alls, permutes): the plan keeps the user's layout
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxbackend import passes
+
+    pin = NamedSharding(mesh, PartitionSpec(axis, None, None))
+
+    def loss(params, x):
+        for p in params:
+            x = x + jax.nn.relu(x @ p["w1"]) @ p["w2"]
+            x = jax.lax.with_sharding_constraint(x, pin)
+        return (x ** 2).mean()
+
+    key = jax.random.split(jax.random.key(0), 2)
+    params = [{"w1": jax.random.normal(key[0], (32, 64)) * 0.1,
+               "w2": jax.random.normal(key[1], (64, 32)) * 0.1}
+              for _ in range(passes.REROLL_MIN_REPEATS + 1)]
+    x = jnp.ones((8, 16, 32))
+    vg = jax.value_and_grad(loss)
+    f = jb.jit(vg, mesh=mesh)
+    text = f.lower(params, x).compile().as_text()
+    assert f.plan.rules["args[1]:0"] == axis, f.plan.rules
+    assert not re.search(r"\b(all-to-all|collective-permute)(-start)?\(", text)
+    testing.assert_close(f(params, x), jax.jit(vg)(params, x),
+                         scale=lambda: testing.abs_scale(vg, params, x),
+                         what="step with the user's sharding constraints")
+
+
 def test_rolled_layer_axis_is_named_layers_not_after_a_pass(mesh):
     # reroll stacks per-layer values on a new leading axis (here each layer's
     # dropout mask, drawn from its own key); a plan, and the error listing a
