@@ -162,8 +162,10 @@ def forwards(new, old) -> bool:
         if new is old:
             return True
         eqn = getattr(new, "parent", None)
+        if eqn is None:
+            return False
         try:
-            body = call_body(eqn) if eqn is not None else None
+            body = call_body(eqn)
             if body is None:
                 return False
             inner = body.jaxpr.outvars[list(eqn.outvars).index(new.val)]
@@ -487,7 +489,7 @@ def constraint_axes(eqn) -> tuple | None:
     if spec is None or mesh is None:
         return None
     rank = len(eqn.invars[0].aval.shape)
-    axes = []
+    axes: list = []
     for i in range(rank):
         entry = spec[i] if i < len(spec) else ()
         if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
