@@ -479,25 +479,20 @@ def call_body(eqn) -> ClosedJaxpr | None:
 
 def constraint_axes(eqn) -> tuple | None:
     """A `sharding_constraint` equation's layout as (the mesh's axis names,
-    per operand axis: a tuple of mesh axis names, () unsharded, or None
-    unconstrained), or None when it is no NamedSharding (a layout the plan
-    cannot read). JAX 0.10: params["sharding"] is the NamedSharding given
-    to `with_sharding_constraint`; `PartitionSpec.UNCONSTRAINED` marks an
-    axis left to XLA, and a spec may be shorter than the operand's rank."""
+    {operand axis: its PartitionSpec entry (None, a mesh axis name or a
+    tuple of them)} for every axis it constrains), or None when it is no
+    NamedSharding (a layout the plan cannot read). JAX 0.10:
+    params["sharding"] is the NamedSharding given to
+    `with_sharding_constraint`; `PartitionSpec.UNCONSTRAINED` marks an
+    axis left to XLA, and a spec shorter than the operand's rank leaves the
+    rest unsharded."""
     s = eqn.params.get("sharding")
     spec, mesh = getattr(s, "spec", None), getattr(s, "mesh", None)
     if spec is None or mesh is None:
         return None
-    rank = len(eqn.invars[0].aval.shape)
-    axes: list = []
-    for i in range(rank):
-        entry = spec[i] if i < len(spec) else ()
-        if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
-            axes.append(None)
-        else:
-            axes.append(() if entry is None else (entry,) if isinstance(entry, str)
-                        else tuple(entry))
-    return tuple(mesh.axis_names), tuple(axes)
+    entries = tuple(spec) + (None,) * (len(eqn.invars[0].aval.shape) - len(spec))
+    return tuple(mesh.axis_names), {a: e for a, e in enumerate(entries)
+                                    if e is not jax.sharding.PartitionSpec.UNCONSTRAINED}
 
 
 def scan_parts(eqn) -> tuple:

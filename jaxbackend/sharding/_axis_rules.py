@@ -35,6 +35,7 @@ from typing import Mapping, Union
 from jax.sharding import PartitionSpec
 
 from jaxbackend.named import DimError
+from jaxbackend.sharding import _names
 
 Axes = Union[str, tuple[str, ...], None]
 Rules = Mapping[str, Axes]
@@ -124,9 +125,10 @@ def check_divisible(named_shapes, rules: Rules, axis_sizes: Mapping[str, int]) -
             check_size(d, n, axes, axis_sizes, where)
 
 
-def split_unused(rules: Rules, graph) -> tuple[dict, list]:
-    """(the rules that name a dim of `graph`, a sharding graph; the names of
-    the others, sorted).
+def split_unused(rules: Rules, graph, alias_of: Mapping) -> tuple[dict, list]:
+    """(the rules that name a dim of `graph`, a sharding graph, by a name of
+    it or an input axis in `alias_of` (`aliases`); the names of the others,
+    sorted).
 
     Rules are a table, as Flax's logical axis rules and Levanter's axis
     mapping are: a set written once for a family of models names dims a
@@ -138,9 +140,9 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
     naming both. A name split by a reshape stays in the rules (`to_masks`
     says which factor to name)."""
     g, dims = graph, dim_names(graph)
-    unknown = sorted(set(rules) - set(dims) - set(aliases(rules, g)) - set(g.path_factors))
+    unknown = sorted(set(rules) - set(dims) - set(alias_of) - set(g.path_factors))
     plain = [n for n in dims if _plain(n)]
-    paths = [n for n in (*dims, *g.path_alias) if not _plain(n)]
+    paths = [n for n in (*dims, *g.path_alias) if not _plain(n)] if unknown else []
     for n in unknown:
         near = difflib.get_close_matches(n, plain if _plain(n) else _same_argument(n, paths),
                                          n=1, cutoff=0.8 if _plain(n) else 0.85)
@@ -151,19 +153,20 @@ def split_unused(rules: Rules, graph) -> tuple[dict, list]:
     return {d: a for d, a in rules.items() if d not in unknown}, unknown
 
 
-def aliases(rules, graph) -> dict:
+def aliases(rules, graph) -> Mapping:
     """`graph.path_alias` (input axes, by path, that are a key of another
     name) plus each rule name with `*` for a number (a layer index:
     `args[0]['layers'][*]['w2']:0`, as the plan spells its own names) whose
     matches among the input axes are all one key; ValueError where they are
     several dims."""
-    g, found = graph, dict(graph.path_alias)
-    star = [n for n in rules if "*" in n and n not in g.key_names and n not in found]
+    g = graph
+    star = [n for n in rules if "*" in n and n not in g.key_names and n not in g.path_alias]
     if not star:
-        return found
+        return g.path_alias
+    found = dict(g.path_alias)
     named = {n: k for k, n in enumerate(g.key_names)}
     for n in star:
-        pattern = re.compile(re.escape(n).replace(r"\*", r"\d+"))
+        pattern = _names.star_pattern(n)
         keys = {k for spelled in (found, named) for m, k in spelled.items()
                 if pattern.fullmatch(m)}
         if len(keys) > 1:
@@ -216,7 +219,8 @@ def to_masks(rules: Rules, graph, mesh) -> tuple[list[int], list[str]]:
     has, `split_unused`'s). A rule for a merged dim (a reshape of several
     dims) applies to its major factor, the key it is laid out by."""
     g = graph
-    rules, unused = split_unused(rules, g)   # a rule for an absent dim is unused; a typo raises
+    alias_of = aliases(rules, g)
+    rules, unused = split_unused(rules, g, alias_of)   # an absent dim's is unused; a typo raises
     merged = [n for n in rules if n in g.path_factors and n not in g.path_alias
               and n not in g.key_names and n not in g.key_alias]
     if merged:
@@ -226,7 +230,6 @@ def to_masks(rules: Rules, graph, mesh) -> tuple[list[int], list[str]]:
             f"(a batch into micro-batches, say): a plan shards those, not it; name the one to "
             f"shard (rules={{{parts[-1]!r}: ...}} shards the last).")
     given_as: dict = {}   # the plan's name of a dim -> the spelling a rule used
-    alias_of = aliases(rules, g)
     for alias in [a for a in rules if a in alias_of]:   # another input axis of one dim
         name = g.key_names[alias_of[alias]]
         other = given_as.get(name, name)

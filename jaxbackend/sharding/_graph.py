@@ -139,9 +139,9 @@ class Graph:
     path_factors: Mapping = dataclasses.field(default_factory=dict)
     # key of a dim never sharded (size > 1) -> why, for an error (`LOOP`, `WINDOW`)
     unshardable: Mapping = dataclasses.field(default_factory=dict)
-    # (key, mesh axes, the mesh's axis names) per axis the user's own
-    # `with_sharding_constraint` lays out (unconstrained axes and merged
-    # dims left out): layouts a searched plan keeps (`_search.search_space`)
+    # (key, its PartitionSpec entry, the mesh's axis names) per axis the
+    # user's own `with_sharding_constraint` lays out (unconstrained axes and
+    # merged dims left out): layouts a searched plan keeps (`_search`)
     constraints: tuple = ()
 
     @property
@@ -387,6 +387,5 @@ class Builder:
             path_alias=path_alias, path_factors=path_factors,
             constraints=tuple((class_key[var_classes[v][a]], axes, names)
                               for v, (names, spec) in self.constraints
-                              for a, axes in enumerate(spec)
-                              if axes is not None and var_classes[v][a] not in composite),
+                              for a, axes in spec.items() if var_classes[v][a] not in composite),
             unshardable={class_key[c]: why for c, why in why_of.items() if c not in composite})

@@ -79,7 +79,7 @@ def _wildcard(names: list, by_skeleton: dict) -> str:
         return sum(all(r[j] == nums[j] for j in range(len(nums)) if j not in vary) for r in rows)
 
     def safe(vary) -> bool:
-        pattern = re.compile(_spell(first, nums, vary, r"\d+", re.escape))
+        pattern = star_pattern(_spell(first, nums, vary))
         return not any(n not in mine and pattern.fullmatch(n) for n in others)
 
     vary: frozenset = frozenset()
@@ -91,15 +91,21 @@ def _wildcard(names: list, by_skeleton: dict) -> str:
             break
         best, j = max(grown, key=lambda cj: (cj[0], -cj[1]))   # a tie: the first number
         vary |= {j}
-    return _spell(first, nums, vary, "*", str) if vary else first
+    return _spell(first, nums, vary) if vary else first
 
 
-def _spell(text: str, nums: list, vary, star: str, quote) -> str:
-    """`text` with the numbers at the positions in `vary` replaced by
-    `star`, the rest of it passed through `quote`."""
+def _spell(text: str, nums: list, vary) -> str:
+    """`text` (whose numbers are `nums`) with `*` for the numbers at the
+    positions in `vary`."""
     parts = _NUMBER.split(text)
-    return "".join(quote(p) + ("" if j == len(nums) else star if j in vary else quote(nums[j]))
+    return "".join(p + ("" if j == len(nums) else "*" if j in vary else nums[j])
                    for j, p in enumerate(parts))
+
+
+def star_pattern(name: str):
+    """The regex of the input-axis names `name` spells with `*` for a
+    number (a plan's own name, or a rule's)."""
+    return re.compile(re.escape(name).replace(r"\*", r"\d+"))
 
 
 def _origin_name(eqn, axis: int) -> str:
