@@ -68,6 +68,9 @@ float32, 2**-7 bfloat16, 2**-10 float16) and u = eps/2 the unit roundoff.
 5. Integers and bools are exact: compared with `==`. The non-finite pattern
    (positions of nan, +inf and -inf) is compared exactly too: a program that
    turns inf into nan, or a finite value into inf, is wrong, not inexact.
+   Complex values are points of the plane: the error is |actual - expected|
+   (both parts), at the tolerance of their parts' float dtype; in
+   `abs_scale` an FFT's output sums its transformed axes' |inputs|.
 6. Programs: `abs_scale(fn, *args)` carries 2. through a whole program:
    each operation's own rounding (its sum|terms|, or |result| for an
    elementwise op) reaches the outputs times |derivative|, and the

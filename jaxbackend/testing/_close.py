@@ -19,15 +19,23 @@ TOLERANCES = {name: (ROUNDINGS[name] * EPS[name], 0.0) for name in EPS}
 
 
 def _dtype_name(d) -> str:
-    return np.dtype(d).name
+    return _real(d).name
+
+
+def _real(d) -> np.dtype:
+    """d, or for a complex dtype the float dtype of its parts: a complex
+    value rounds part by part, at that dtype's eps."""
+    d = np.dtype(d)
+    return np.dtype(f"float{d.itemsize * 4}") if d.kind == "c" else d
 
 
 def tolerance(*dtypes) -> tuple:
     """(rtol, atol) for the loosest of `dtypes`: integers and bools (0, 0),
-    other floats (float8s, ...) 4 eps of their own, unknown kinds float32's."""
+    complex ones their parts' float dtype's, other floats (float8s, ...) 4
+    eps of their own, unknown kinds float32's."""
     tols = []
     for d in dtypes:
-        d = np.dtype(d)
+        d = _real(d)
         if d.name in TOLERANCES:
             tols.append(TOLERANCES[d.name])
         elif d.kind in "biu":
@@ -95,7 +103,10 @@ def _compare(actual, expected, rtol, atol, scale, check_dtype, what) -> float:
         return 0.0
     r0, a0 = tolerance(a.dtype, e.dtype)
     rtol, atol = (r0 if rtol is None else rtol), (a0 if atol is None else atol)
-    a, e = a.astype(np.float64), e.astype(np.float64)
+    # complex values are compared as points of the plane: |actual - expected|
+    # against the scale (the error model holds for each part)
+    wide = np.complex128 if "c" in (a.dtype.kind, e.dtype.kind) else np.float64
+    a, e = a.astype(wide), e.astype(wide)
     if not a.size:
         return 0.0
     fin_a, fin_e = np.isfinite(a), np.isfinite(e)

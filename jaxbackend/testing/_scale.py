@@ -88,12 +88,25 @@ def _select(pred, a, b):
     return lax.select(jnp.broadcast_to(pred, shape), a, lax.full_like(a, b))
 
 
+def _finite(x):
+    """lax.is_finite, for complex values too (both parts finite)."""
+    if jnp.iscomplexobj(x):
+        return lax.is_finite(jnp.real(x)) & lax.is_finite(jnp.imag(x))
+    return lax.is_finite(x)
+
+
+def _sq(x):
+    """|x|**2 in the variance dtype: a complex value's error is a distance in
+    the plane, |e|, so its size is its modulus (for a real value, x**2)."""
+    return jnp.square(jnp.abs(x).astype(_VDTYPE))
+
+
 def _clean(out, var):
     """0 on non-finite values (compared by pattern); an overflowed or undefined
     variance on a finite value becomes the largest float (no information)."""
     var = jnp.broadcast_to(var, jnp.shape(out))
     var = _select(lax.is_finite(var), var, jnp.finfo(var.dtype).max)
-    return _select(lax.is_finite(out), var, 0)
+    return _select(_finite(out), var, 0)
 
 
 def _var_eval(closed, args, vs) -> tuple:
@@ -174,14 +187,16 @@ def _var_rule(eqn, vals, vs):
                 # symmetry, squared). u on each factor: w0 * w1 may overflow
                 var = var + op([w.astype(dt) * _REF_UNIT for w in vs])
         return outs, [_clean(outs[0], var)]
+    if name == "fft":
+        return outs, [_clean(outs[0], _var_fft(eqn, vals[0], zero[0], outs[0]))]
     if name in _ELEMENTWISE:
-        var = jnp.square(outs[0].astype(dt)) * _weight(outs[0])
+        var = _sq(outs[0]) * _weight(outs[0])
         for i, w in enumerate(vs):
             if w is not None:
                 def f(xi, i=i):
                     return _jax.bind_eqn(eqn, vals[:i] + [xi] + vals[i + 1:])[0]
                 _, d = jax.jvp(f, (vals[i],), (jnp.ones_like(vals[i]),))
-                var = var + _select(w > 0, jnp.square(d.astype(dt)) * w.astype(dt), 0)
+                var = var + _select(w > 0, _sq(d) * w.astype(dt), 0)
         power = 2 if name == "square" else eqn.params.get("y", 0) if name == "integer_pow" else 0
         if power >= 2 and vs[0] is not None:
             # x**p moves by p x**(p-1) e + p (p-1) x**(p-2) e**2 / 2: the
@@ -194,8 +209,24 @@ def _var_rule(eqn, vals, vs):
     # Anything else (sort, cumprod, callbacks, ...): its own rounding plus the
     # largest variance of an operand (assumes it does not amplify errors).
     carried = sum((jnp.max(w) for w in vs if w is not None), jnp.float32(0))
-    return outs, [_clean(o, jnp.square(o.astype(_VDTYPE)) * _weight(o) + carried.astype(_VDTYPE))
+    return outs, [_clean(o, _sq(o) * _weight(o) + carried.astype(_VDTYPE))
                   if f else None for o, f in zip(outs, floats)]
+
+
+def _var_fft(eqn, x, var, out):
+    """An FFT's output entry is a sum of the n = prod(fft_lengths) input
+    entries of its transformed axes times unit roots (divided by n for an
+    inverse; an inverse real FFT reads each stored entry twice, as itself and
+    as its mirror): sum|terms| is c * sum|x| over those axes, c = 1, 1/n or
+    2/n, and each input's variance reaches it times c**2, as for a sum."""
+    lengths = tuple(eqn.params["fft_lengths"])
+    kind = lax.FftType(eqn.params["fft_type"]).name   # an int in a JAX 0.10 jaxpr
+    n = float(np.prod(lengths))
+    c = {"FFT": 1.0, "RFFT": 1.0, "IFFT": 1.0 / n, "IRFFT": 2.0 / n}[kind]
+    axes = tuple(range(np.ndim(x) - len(lengths), np.ndim(x)))
+    terms = c * jnp.sum(jnp.abs(x).astype(_VDTYPE), axis=axes, keepdims=True)
+    carried = c * c * jnp.sum(var.astype(_VDTYPE), axis=axes, keepdims=True)
+    return jnp.broadcast_to(jnp.square(terms) * _weight(out) + carried, jnp.shape(out))
 
 
 def _var_scan(eqn, vals, vs):

@@ -209,3 +209,31 @@ def test_exact_kinds_and_patterns():
     for other in (jax.random.key_data(key), jax.random.key(0, impl="rbg")):
         with pytest.raises(AssertionError, match="a PRNG key compared with another kind"):
             testing.assert_close(key, other)
+
+
+def test_complex_values_are_compared_as_points_of_the_plane():
+    # the imaginary part was dropped (a cast to float64): [1+1j] passed as [1+5j]
+    a = jnp.array([1 + 1j, 2 + 0j], jnp.complex64)
+    with pytest.raises(AssertionError, match="abs error 4"):
+        testing.assert_close(a, jnp.array([1 + 5j, 2 + 0j], jnp.complex64))
+    testing.assert_close(a, a * (1 + 2 ** -22))          # rounding of the parts passes
+    assert testing.tolerance(np.complex64) == testing.tolerance(np.float32)
+    assert testing.tolerance(np.complex128) == testing.tolerance(np.float64)
+    with pytest.raises(AssertionError, match="non-finite pattern"):
+        testing.assert_close(jnp.array([complex(np.nan, 1.0)]), jnp.array([complex(1.0, np.nan)]))
+
+
+def test_abs_scale_of_an_fft_is_the_sum_of_its_terms():
+    # each output of an n-point FFT sums n inputs times unit roots (an
+    # inverse divides by n); a program with complex values inside raised in
+    # lax.is_finite before, so an FNet's step could not be compared at scale
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    row = np.abs(np.asarray(x, np.float64)).sum(1, keepdims=True)
+    np.testing.assert_allclose(testing.abs_scale(jnp.fft.fft, x), np.broadcast_to(row, (4, 8)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(testing.abs_scale(jnp.fft.ifft, x), np.broadcast_to(row / 8, (4, 8)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(testing.abs_scale(jnp.fft.fft2, x), np.abs(np.asarray(x)).sum(),
+                               rtol=1e-6)
+    s = testing.abs_scale(lambda v: jnp.fft.irfft(jnp.fft.rfft(v) * 2.0).real.sum(), x)
+    assert np.isfinite(s) and s > 0
