@@ -51,7 +51,9 @@ of every `random_fold_in` that is a literal becomes a variable of the same
 value (made before everything), and each key slice (with its squeeze)
 moves to right after the keys are made; the blocks then repeat, and each
 reads its own index or key as a per-layer input, stacked for the scan as
-weights are.
+weights are. Rows of any array that the layers read by their number
+(`W[i]` of weights the user keeps stacked, `scale[i]`:
+`_reroll_index`) move up the same way.
 The values stay the same: the variable holds the literal's value in its
 dtype, `random_fold_in` reads only that value, and a slice of keys moved
 earlier reads the same keys (pure equations; only their order changes).
@@ -66,7 +68,7 @@ import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
-from jaxbackend.passes import _rewrite
+from jaxbackend.passes import _reroll_index, _rewrite
 from jaxbackend.passes._reroll_run import Carry, DepGraph
 
 
@@ -190,13 +192,16 @@ def covered(runs) -> int:
     return sum(r.period * r.repeats for r in runs)
 
 
-def _key_slice(e, sliced, raw) -> bool:
+def _key_slice(e, sliced, raw, indexed) -> bool:
     """A static slice of a key array (typed, or a raw key's data: made by
-    `random_unwrap`, in `raw`), or the squeeze of one (`keys[i]`)."""
+    `random_unwrap`, in `raw`), a row of an array read by row per layer
+    (`_reroll_index.index_reads`, in `indexed`), or the squeeze of either
+    (`keys[i]`, `W[i]`)."""
     if e.primitive.name == "slice":
         v = e.invars[0]
         return _jax.is_var(v) and (v in raw or jax.dtypes.issubdtype(v.aval.dtype,
-                                                                      jax.dtypes.prng_key))
+                                                                      jax.dtypes.prng_key)
+                                   or _reroll_index.is_index_read(e, indexed))
     return e.primitive.name == "squeeze" and _jax.is_var(e.invars[0]) and e.invars[0] in sliced
 
 
@@ -210,12 +215,13 @@ def lifted(jaxpr):
     after: dict = {}        # var -> the key slices (squeezes) that read it, moved up
     sliced: set = set()
     raw: set = set()        # raw keys' data (jax.random.PRNGKey's uint32 pairs)
+    indexed = _reroll_index.index_reads(jaxpr)
     rest: list = []
     n = 0
     for e in jaxpr.eqns:
         if e.primitive.name == "random_unwrap":
             raw.add(e.outvars[0])
-        if _key_slice(e, sliced, raw):
+        if _key_slice(e, sliced, raw, indexed):
             after.setdefault(e.invars[0], []).append(e)
             sliced.add(e.outvars[0])
             n += e.primitive.name == "slice"

@@ -79,7 +79,9 @@ that differ in any parameter, shape, literal or data flow (e.g. a last layer
 of another width, a skip connection across two layers, a per-layer literal
 (but per-layer dropout keys, folded with the layer index or split once
 and indexed per layer, are made before the layers first,
-`_reroll_seed.lifted`), a per-layer custom_vjp
+`_reroll_seed.lifted`, and so are the rows of an array the layers index by
+their number, `W[i]`, whose gradient's sum of row pads becomes one join,
+`_reroll_index`), a per-layer custom_vjp
 rule or callback: function-valued parameters are compared by identity, see
 `_reroll_find`), effectful equations (never merged, kept in place), a
 run inside an open sub-jaxpr (remat) whose rolled form would need an array
@@ -92,7 +94,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.passes import _reroll_seed, _rewrite
+from jaxbackend.passes import _reroll_index, _reroll_seed, _rewrite
 from jaxbackend.passes._reroll_find import find_runs
 from jaxbackend.passes._reroll_walk import RolledRun, Walk
 
@@ -200,6 +202,8 @@ class _Splicer:
         runs = find_runs(jaxpr, min_repeats, self.keys)
         # per-layer dropout keys, then cross-layer sums and literal carries
         jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.lifted(jaxpr), min_repeats)
+        # the gradient of per-layer rows W[i]: a sum of pads, made one join
+        jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_index.joined_pads(jaxpr), min_repeats)
         jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.seeded(jaxpr, runs), min_repeats)
         walk = Walk(jaxpr, runs, b, self.stats, self._subs,
                      min_repeats if self.vectorize else None)
