@@ -8,6 +8,9 @@ an optax AdamW step. The same step goes through
 * `jb.jit(step, mesh=)`: searched plan, the lists as they are (reroll rolls
   both loops, the plan is made on the rolled program);
 * the same over `jb.stack_layers(params)`;
+* `jb.jit(step, mesh=)` on weights the user keeps stacked: each list one
+  dict of (layers, ...) arrays, the loss taking `jax.tree.map(lambda a:
+  a[i], stacked)` per layer before its loops (no jaxbackend helper);
 * `jax.jit(step)` on inputs placed for data parallelism (the batch on both
   mesh axes, weights replicated): the plain-JAX user's hand rules.
 
@@ -40,7 +43,7 @@ STEPS = 5
 WARNING = "Involuntary full rematerialization"
 
 
-def _model(layers: int):
+def _model(layers: int, user_stacked: bool = False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,6 +89,9 @@ def _model(layers: int):
         return jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
     def loss_fn(params, src, tgt_in, tgt_out):
+        if user_stacked:     # rows of the user's stacks, one per layer
+            params = dict(params, **{k: [jax.tree.map(lambda a, i=i: a[i], params[k])
+                                         for i in range(layers)] for k in ("enc", "dec")})
         e = params["emb"][src] + params["pos"]
         for p in params["enc"]:
             h = layernorm(p["ln1"], e)
@@ -107,6 +113,9 @@ def _model(layers: int):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    if user_stacked:
+        params = dict(params, **{k: jax.tree.map(lambda *a: jnp.stack(a), *params[k])
+                                 for k in ("enc", "dec")})
     k1, k2 = jax.random.split(jax.random.key(1))
     src = jax.random.randint(k1, (B, T), 0, V)
     tgt = jax.random.randint(k2, (B, T + 1), 0, V)
@@ -116,7 +125,7 @@ def _model(layers: int):
 def run_point(kind: str, layers: int, steps: int) -> dict:
     from benchmarks import _report
 
-    params, tx, step, batch = _model(layers)
+    params, tx, step, batch = _model(layers, user_stacked=kind == "user")
     if kind == "stacked":
         import jaxbackend as jb
 
@@ -139,7 +148,7 @@ def spawn(kind: str, layers: int, steps: int = 0) -> dict:
 
 
 def measure(depths, hand_max: int, repeat: int, timed_at: int) -> tuple[dict, dict]:
-    kinds = ("searched", "stacked", "hand")
+    kinds = ("searched", "stacked", "user", "hand")
     runs: dict = {}
     for _ in range(repeat):             # interleaved: load hits every column alike
         for d in depths:
@@ -161,21 +170,24 @@ def render(runs, steps, depths, timed_at: int) -> str:
     rows = []
     for d in depths:
         hand = med.get(("hand", d))
-        rows.append([d, cell("searched", d), cell("stacked", d), cell("hand", d),
+        rows.append([d, cell("searched", d), cell("stacked", d), cell("user", d), cell("hand", d),
                      f"{med[('searched', d)] / hand:.2f}" if hand else "",
                      f"{med[('stacked', d)] / hand:.2f}" if hand else "",
+                     f"{med[('user', d)] / hand:.2f}" if hand else "",
                      f"{runs[('searched', d)][0]['mib']:.1f}",
                      f"{runs[('hand', d)][0]['mib']:.1f}" if hand else "",
-                     sum(r["warnings"] for k in ("searched", "stacked") for r in runs[(k, d)])])
+                     sum(r["warnings"] for k in ("searched", "stacked", "user")
+                         for r in runs[(k, d)])])
     from benchmarks import _report
 
     table = _report.table(
         ["layers", "`jb.jit(mesh=)` searched (s)", "searched, stacked params (s)",
-         "`jax.jit` data parallel (s)", "searched / jax.jit", "stacked / jax.jit",
+         "searched, user-stacked weights (s)", "`jax.jit` data parallel (s)",
+         "searched / jax.jit", "stacked / jax.jit", "user-stacked / jax.jit",
          "searched collective MiB", "data parallel collective MiB", "remat warnings"], rows)
     lo, hi = depths[0], depths[-1]
     lines = []
-    for k in ("searched", "stacked"):
+    for k in ("searched", "stacked", "user"):
         ratio = med[(k, hi)] / med[(k, lo)]
         vs = [med[(k, d)] / med[("hand", d)] for d in depths if d >= 8 and ("hand", d) in med]
         lines.append(f"- {k}: {hi} / {lo} layers = {ratio:.2f} (target <= 1.5): "
@@ -198,7 +210,8 @@ def render(runs, steps, depths, timed_at: int) -> str:
     head = (f"Encoder-decoder transformer in plain JAX (lists of per-layer dicts, AdamW), "
             f"embd {D}, {H} heads, mlp {F}, seq {T}, batch {B}, vocab {V}; `layers` encoder and "
             f"`layers` decoder layers; seconds from trace to compiled executable, median of "
-            f"the processes:\n\n")
+            f"the processes. `user` (user-stacked weights): the same lists kept as dicts of "
+            f"(layers, ...) arrays by the user, the loss taking row i of each per layer:\n\n")
     return head + table + "\n\n" + "\n".join(lines) + "\n\nSearched rules: " + "; ".join(plans)
 
 

@@ -1,24 +1,34 @@
 """Layers that index one array by their number: `W[i]` in a Python loop over
-layers (weights kept stacked by the user, per-layer scales or flags), seeded
-so that the layers repeat (part of `passes.reroll`).
+layers (weights kept stacked by the user, per-layer scales or flags), made
+into the stacks a scan reads and writes (part of `passes.reroll`).
 
 Forward, layer i reads `W[i]` as a static `slice` (start i on axis 0, one
 row, every other axis whole) and a `squeeze` of that axis: the blocks differ
-in the slice's start, so no block repeats. `index_reads(jaxpr)` says which
-arrays are read that way at two or more rows; `_reroll_seed.lifted` moves
-those reads to right after the array is made, as it does for per-layer
-dropout keys, and each block then reads its row as a per-layer input.
+in the slice's start, so no block repeats. Where W is an input and every
+row is read so, `split_rows` splits it once, at the start, by the call
+`jb.stack_layers` makes (`_stacked._slices`), and the rolled layers read W
+itself as their stack (`Walk.keep`), not a copy. Otherwise (an array made
+in the program, some rows unread) `index_reads` says which arrays are read
+by row at two or more rows, `_reroll_seed.lifted` moves those reads to
+right after the array is made, as it does for per-layer dropout keys, and
+each block reads its row as a per-layer input (stacked by copying).
 
 Backward, JAX transposes each `W[i]` into a `pad` of the row's cotangent
 (i rows of zeros before it, n - 1 - i after) and sums the pads with
-`add_any` as the layers' contributions arrive: the pads differ per block
-too. `joined_pads(jaxpr)` replaces such a sum, where the pads put one row at
-each of the n positions and nothing else reads a pad or a partial sum, by
-one `concatenate` of the rows in row order (signed zeros made +0.0, as the
-sum makes them); the blocks then end at their row, which the backward scan
-stacks.
+`add_any`: inside the layers, the pads differ per block; after them (rows
+taken before the loop), they are n equations more per weight.
+`joined_pads` replaces such a sum, where the pads put one row at each of
+the n positions and nothing else reads a pad or a partial sum, by one
+`concatenate` of the rows in row order (signed zeros made +0.0, as the sum
+makes them). Where each row is a value given a unit axis (the transpose of
+the squeeze), the values are stacked instead, which `Walk` reads as the
+backward scan's stack itself (in layer order, or reversed).
 
-Why the values stay the same: moving a pure equation earlier changes no
+`reroll` keeps the split and the joins where the program then has runs
+covering at least as many equations (`reroll._Splicer._rows`).
+
+Why the values stay the same: piece i of a split into rows, squeezed, is
+the slice of row i squeezed, and moving a pure equation earlier changes no
 value. Each entry of a sum of pads that put one row at each position is
 that row's entry plus zeros from every other pad: the entry itself, except
 that x + 0.0 is +0.0 for x = -0.0 (infinities and NaN stay). The join
@@ -33,11 +43,12 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxbackend import _jax
+from jaxbackend import _jax, _stacked
 from jaxbackend.passes import _rewrite
 
 
@@ -118,11 +129,25 @@ def joined_pads(jaxpr):
         dropped.update(ks)
     if not joins:
         return None, 0
+    made = {e.outvars[0]: (k, e) for k, e in enumerate(eqns) if len(e.outvars) == 1}
+    for k, (v, xs) in list(joins.items()):
+        units = [_unit_axis(made.get(x), uses) for x in xs]
+        if all(u is not None for u in units):
+            # rows that are values given a unit axis (a squeeze's transpose):
+            # the join stacks the values, which `Walk` reads as the backward
+            # scan's stack itself
+            dropped.update(i for i, _ in units)
+            joins[k] = (v, [y for _, y in units], True)
+        else:
+            joins[k] = (v, xs, False)
     b = _rewrite.EqnBuilder(closed=False)
     for k, e in enumerate(eqns):
         if k in joins:
-            v, xs = joins[k]
-            (out,) = b.emit(_join, xs, key="reroll_index.join")
+            v, xs, values = joins[k]
+            if values:
+                (out,) = b.emit(_join_values, xs, key="reroll_index.join_values")
+            else:
+                (out,) = b.emit(_join, xs, key="reroll_index.join")
             # the sum's own variable, so its readers need no renaming
             if not (_jax.is_var(out) and b.eqns and b.eqns[-1].outvars[0] is out):
                 raise AssertionError("_reroll_index: the join's last equation must make it")
@@ -137,3 +162,81 @@ def _join(*rows):
     replaces does, adding +0.0; XLA folds an x + 0.0, so a select)."""
     cat = lax.concatenate(list(rows), 0)
     return lax.select(cat == 0, lax.full_like(cat, 0), cat)
+
+
+def _unit_axis(made, uses):
+    """(index, y) when `made` = (index, eqn) gives y a leading unit axis (a
+    `broadcast_in_dim` or `reshape` of y, rank >= 1, to (1,) + y.shape) and
+    its result has one reader; else None."""
+    if made is None:
+        return None
+    k, e = made
+    out = e.outvars[0]
+    y = e.invars[0]
+    if (uses.get(out, 0) != 1 or not _jax.is_var(y) or not y.aval.shape
+            or tuple(out.aval.shape) != (1,) + tuple(y.aval.shape)):
+        return None
+    if e.primitive.name == "broadcast_in_dim":
+        ok = _jax.broadcast_dimensions(e) == tuple(range(1, 1 + len(y.aval.shape)))
+    else:
+        ok = e.primitive.name == "reshape" and not _jax.reshape_transposes(e)
+    return (k, y) if ok and not _jax.has_sharding_annotation(e) else None
+
+
+def _join_values(*ys):
+    """`_join` of the ys given a unit axis: the ys concatenated on their own
+    axis 0 and reshaped to (n,) + shape (a bitcast), signed zeros +0.0."""
+    cat = lax.concatenate(list(ys), 0).reshape((len(ys),) + ys[0].shape)
+    return lax.select(cat == 0, lax.full_like(cat, 0), cat)
+
+
+def split_rows(jaxpr):
+    """(jaxpr, number of arrays split): every input of `jaxpr` whose rows
+    0..n-1 are all read as `x[i]` (a one-row `slice` read only by `squeeze`s
+    of axis 0) is split once, at the start, by a call of `_stacked._slices`
+    (the split `jb.stack_layers` makes), and the squeezes read its outputs.
+    The rolled layers then read that input as their stack (`Walk.keep`),
+    not a copy stacked from its rows. Same values: a split piece squeezed
+    is the slice squeezed."""
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    rows: dict = {}        # input -> {row: [slice index]}
+    squeezes: dict = {}    # slice output -> [squeeze index]
+    readers: collections.Counter = collections.Counter()
+    for k, e in enumerate(jaxpr.eqns):
+        readers.update(v for v in e.invars if _jax.is_var(v))
+        i = _row(e)
+        if i is not None and e.invars[0] in inputs:
+            rows.setdefault(e.invars[0], {}).setdefault(i, []).append(k)
+            squeezes[e.outvars[0]] = []
+        elif (e.primitive.name == "squeeze" and _jax.is_var(e.invars[0])
+              and e.invars[0] in squeezes and _jax.squeeze_dimensions(e) == (0,)):
+            squeezes[e.invars[0]].append(k)
+    readers.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    eqns = jaxpr.eqns
+    split = []
+    for v, by_row in rows.items():
+        outs = [eqns[k].outvars[0] for ks in by_row.values() for k in ks]
+        if (len(by_row) >= 2 and sorted(by_row) == list(range(v.aval.shape[0]))
+                and all(readers[o] == len(squeezes[o]) >= 1 for o in outs)):
+            split.append(v)
+    if not split:
+        return jaxpr, 0
+    b = _rewrite.EqnBuilder(closed=False)
+    env: dict = {}
+    dropped: set = set()
+    for v in split:
+        pieces = b.emit(lambda a: jax.jit(_stacked._slices)(a), [v], key="reroll_index.split")
+        for row, ks in rows[v].items():
+            for k in ks:
+                dropped.add(k)
+                for q in squeezes[eqns[k].outvars[0]]:
+                    dropped.add(q)
+                    env[eqns[q].outvars[0]] = pieces[row]
+    for k, e in enumerate(eqns):
+        if k in dropped:
+            continue
+        if any(_jax.is_var(a) and a in env for a in e.invars):
+            e = e.replace(invars=[env.get(a, a) if _jax.is_var(a) else a for a in e.invars])
+        b.append(e)
+    outvars = [env.get(a, a) if _jax.is_var(a) else a for a in jaxpr.outvars]
+    return _jax.jaxpr_with(jaxpr, eqns=b.eqns, outvars=outvars), len(split)

@@ -161,8 +161,11 @@ class Walk:
                 items.append((self.read(vs[k]), False))
                 k += 1
                 continue
-            sid, i0, n = run
-            items.append((self.entries(sid, i0, n), True))
+            sid, i0, n, step = run
+            got = self.entries(sid, i0 if step > 0 else i0 - n + 1, n)
+            if step < 0:    # the layers in reverse (a backward scan's stack)
+                got = self.b.emit(lambda a: lax.rev(a, (0,)), [got], key="reroll.rev")[0]
+            items.append((got, True))
             k += n
         if len(items) == len(vs):
             return False                  # no run of stack entries: kept as it is
@@ -187,8 +190,10 @@ class Walk:
         return True
 
     def _stack_run(self, vs, k):
-        """(stack id, first index, length >= 2) of the longest run of vs from
-        k on that are consecutive entries of one stack of their own shape."""
+        """(stack id, first index, length >= 2, step) of the longest run of
+        vs from k on that are consecutive entries of one stack of their own
+        shape, in order (step 1) or in reverse (step -1: the entries of a
+        scan over the layers backward, joined in layer order)."""
         loc = self.stacked.get(vs[k]) if _jax.is_var(vs[k]) else None
         if loc is None:
             return None
@@ -197,11 +202,14 @@ class Walk:
                 or have.weak_type != want.weak_type):
             return None
         sid, i0 = loc
-        n = 1
-        while (k + n < len(vs) and _jax.is_var(vs[k + n])
-               and self.stacked.get(vs[k + n]) == (sid, i0 + n)):
-            n += 1
-        return (sid, i0, n) if n >= 2 else None
+        for step in (1, -1):
+            n = 1
+            while (k + n < len(vs) and _jax.is_var(vs[k + n])
+                   and self.stacked.get(vs[k + n]) == (sid, i0 + step * n)):
+                n += 1
+            if n >= 2:
+                return sid, i0, n, step
+        return None
 
     # -- environment ---------------------------------------------------------
     def read(self, v):

@@ -195,15 +195,32 @@ class _Splicer:
                 return seeded, more
         return jaxpr, runs
 
+    def _rows(self, jaxpr, runs, min_repeats) -> tuple:
+        """An input's rows read one by one, and the gradient's sum of their
+        pads, as one split and one join (`_reroll_index`: same values, fewer
+        equations, and the scans then read and write the input's stack
+        itself), where the program then has runs covering at least as many
+        equations; else (jaxpr, runs) as they were."""
+        split, n = _reroll_index.split_rows(jaxpr)
+        joined, m = _reroll_index.joined_pads(split)
+        if not n + m:
+            return jaxpr, runs
+        new = split if joined is None else joined
+        more = find_runs(new, min_repeats, self.keys)
+        if not more or _reroll_seed.covered(more) < _reroll_seed.covered(runs):
+            return jaxpr, runs
+        self.stats.seeds += n + m
+        return new, more
+
     def _walk(self, jaxpr, b):
         """The new outvars (equations into builder `b`), or None when
         neither this jaxpr nor any sub-jaxpr changed."""
         min_repeats = self._min_repeats(jaxpr)
         runs = find_runs(jaxpr, min_repeats, self.keys)
-        # per-layer dropout keys, then cross-layer sums and literal carries
+        jaxpr, runs = self._rows(jaxpr, runs, min_repeats)
+        # per-layer dropout keys and rows W[i], then cross-layer sums and
+        # literal carries
         jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.lifted(jaxpr), min_repeats)
-        # the gradient of per-layer rows W[i]: a sum of pads, made one join
-        jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_index.joined_pads(jaxpr), min_repeats)
         jaxpr, runs = self._if_more(jaxpr, runs, *_reroll_seed.seeded(jaxpr, runs), min_repeats)
         walk = Walk(jaxpr, runs, b, self.stats, self._subs,
                      min_repeats if self.vectorize else None)

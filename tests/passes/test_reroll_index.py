@@ -98,3 +98,59 @@ def test_a_user_stacked_step_under_a_mesh_equals_jax_jit():
                          what="user-stacked layers under a mesh")
     stats = {s.name: s for s in f.last_report.stats}["reroll"].matches
     assert stats["reroll.runs"] == 2, stats
+
+
+def _upfront_loss(params, x):
+    # the rows taken before the loop (jax.tree.map(lambda a: a[i], ...)), as
+    # a model written for per-layer lists is fed from stacked weights
+    layers = [jax.tree.map(lambda a, i=i: a[i], params) for i in range(params["w"].shape[0])]
+    for p in layers:
+        x = x + jnp.tanh(x @ p["w"] + p["b"])
+    return (x ** 2).sum()
+
+
+def test_stacked_weights_read_before_the_loop_are_the_scans_stacks():
+    params = {"w": rand(3, LAYERS, D, D) * .4, "b": rand(5, LAYERS, D) * .1}
+    args = (params, rand(4, 5, D))
+    closed = jax.make_jaxpr(jax.value_and_grad(_upfront_loss))(*args)
+    out, stats = reroll_with_stats(closed)
+    assert [r.repeats for r in stats.runs][0] == LAYERS and len(stats.runs) == 2, stats
+    # the scans read the inputs and write the gradients' stacks: no copy of
+    # the weights, no pad; the one backward layer left out of its scan (layer
+    # 0's, which computes no gradient of x) joins the scan's stack
+    assert stats.stacked_copies == 0, stats
+    eqns = out.jaxpr.eqns
+    assert not any(e.primitive.name == "pad" for e in eqns)
+    scans = {v for e in eqns if e.primitive.name == "scan" for v in e.outvars}
+    joins = [e for e in eqns if e.primitive.name == "concatenate"]
+    assert len(joins) == 2 and all(e.invars[1] in scans for e in joins), joins
+    assert_same_values(closed, out, jax.tree.leaves(args))
+
+
+def test_rows_kept_unit_axis_are_joined_as_rows():
+    # W[i:i+1] (no squeeze): the pads' operands are rows, joined as rows
+    def loss(W, x):
+        for i in range(W.shape[0]):
+            x = x + jnp.tanh(x @ W[i:i + 1].reshape(D, D))
+        return (x ** 2).sum()
+
+    args = (rand(3, LAYERS, D, D) * .4, rand(4, 5, D))
+    closed = jax.make_jaxpr(jax.grad(loss))(*args)
+    joined, n = _reroll_index.joined_pads(closed.jaxpr)
+    assert n == 1 and not any(e.primitive.name == "pad" for e in joined.eqns)
+    want = jax.jit(_jax.jaxpr_as_fun(closed))(*args)
+    got = jax.jit(_jax.jaxpr_as_fun(_jax.ClosedJaxpr(joined, closed.consts)))(*args)
+    np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
+
+
+def test_an_input_split_into_rows_only_where_every_row_is_read_and_squeezed():
+    W = rand(1, 4, 3)
+    every = jax.make_jaxpr(lambda W: [W[i] * 2 for i in range(4)])(W)
+    split, n = _reroll_index.split_rows(every.jaxpr)
+    assert n == 1 and [e.primitive.name for e in split.eqns].count("slice") == 0
+    np.testing.assert_array_equal(np.stack(_jax.jaxpr_as_fun(_jax.ClosedJaxpr(split, []))(W)),
+                                  np.stack(_jax.jaxpr_as_fun(every)(W)))
+    missing = jax.make_jaxpr(lambda W: [W[i] * 2 for i in range(3)])(W)         # row 3 unread
+    kept_unit = jax.make_jaxpr(lambda W: [W[i:i + 1] * 2 for i in range(4)])(W)  # no squeeze
+    for closed in (missing, kept_unit):
+        assert _reroll_index.split_rows(closed.jaxpr)[1] == 0
