@@ -158,10 +158,14 @@ def joined_pads(jaxpr):
 
 
 def _join(*rows):
-    """The rows in order, with -0.0 made +0.0 (as the sum of pads it
-    replaces does, adding +0.0; XLA folds an x + 0.0, so a select)."""
-    cat = lax.concatenate(list(rows), 0)
-    return lax.select(cat == 0, lax.full_like(cat, 0), cat)
+    """The rows in order, signed zeros +0.0 (`_as_summed`)."""
+    return _as_summed(lax.concatenate(list(rows), 0))
+
+
+def _as_summed(x):
+    """x with -0.0 made +0.0, as the sum of pads a join replaces makes it
+    (adding +0.0); a select, as XLA folds an x + 0.0 to x."""
+    return lax.select(x == 0, lax.full_like(x, 0), x)
 
 
 def _unit_axis(made, uses):
@@ -186,8 +190,7 @@ def _unit_axis(made, uses):
 def _join_values(*ys):
     """`_join` of the ys given a unit axis: the ys concatenated on their own
     axis 0 and reshaped to (n,) + shape (a bitcast), signed zeros +0.0."""
-    cat = lax.concatenate(list(ys), 0).reshape((len(ys),) + ys[0].shape)
-    return lax.select(cat == 0, lax.full_like(cat, 0), cat)
+    return _as_summed(lax.concatenate(list(ys), 0).reshape((len(ys),) + ys[0].shape))
 
 
 def split_rows(jaxpr):
