@@ -49,7 +49,16 @@ import numpy as np
 from jax import lax
 
 from jaxbackend import _jax, _stacked
-from jaxbackend.passes import _rewrite
+from jaxbackend.passes import _rewrite, _stacks
+
+
+def _uses(jaxpr) -> collections.Counter:
+    """Reads of each variable within `jaxpr` (operands and outputs; a
+    sub-jaxpr reads an outer value only as an operand of its equation, so
+    this does not walk sub-jaxprs as `_rewrite.use_counts` does)."""
+    uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _jax.is_var(v))
+    uses.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    return uses
 
 
 def _row(e) -> int | None:
@@ -104,10 +113,7 @@ def joined_pads(jaxpr):
     eqns = jaxpr.eqns
     if not any(e.primitive.name == "pad" for e in eqns):
         return None, 0
-    # uses within this jaxpr (a sub-jaxpr reads an outer value only as an
-    # operand of its equation, counted here)
-    uses = collections.Counter(v for e in eqns for v in e.invars if _jax.is_var(v))
-    uses.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    uses = _uses(jaxpr)
     parts: dict = {}     # pad or partial sum var -> ([(row, operand)], [eqn index])
     for k, e in enumerate(eqns):
         pr = _pad_row(e)
@@ -188,9 +194,10 @@ def _unit_axis(made, uses):
 
 
 def _join_values(*ys):
-    """`_join` of the ys given a unit axis: the ys concatenated on their own
-    axis 0 and reshaped to (n,) + shape (a bitcast), signed zeros +0.0."""
-    return _as_summed(lax.concatenate(list(ys), 0).reshape((len(ys),) + ys[0].shape))
+    """`_join` of the ys given a unit axis: `_stacks.stack(ys)` (their
+    concatenate on axis 0, reshaped: what `Walk` reads as a stack), signed
+    zeros +0.0."""
+    return _as_summed(_stacks.stack(ys))
 
 
 def split_rows(jaxpr):
@@ -204,9 +211,7 @@ def split_rows(jaxpr):
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     rows: dict = {}        # input -> {row: [slice index]}
     squeezes: dict = {}    # slice output -> [squeeze index]
-    readers: collections.Counter = collections.Counter()
     for k, e in enumerate(jaxpr.eqns):
-        readers.update(v for v in e.invars if _jax.is_var(v))
         i = _row(e)
         if i is not None and e.invars[0] in inputs:
             rows.setdefault(e.invars[0], {}).setdefault(i, []).append(k)
@@ -214,13 +219,13 @@ def split_rows(jaxpr):
         elif (e.primitive.name == "squeeze" and _jax.is_var(e.invars[0])
               and e.invars[0] in squeezes and _jax.squeeze_dimensions(e) == (0,)):
             squeezes[e.invars[0]].append(k)
-    readers.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    readers = _uses(jaxpr)
     eqns = jaxpr.eqns
     split = []
     for v, by_row in rows.items():
         outs = [eqns[k].outvars[0] for ks in by_row.values() for k in ks]
         if (len(by_row) >= 2 and sorted(by_row) == list(range(v.aval.shape[0]))
-                and all(readers[o] == len(squeezes[o]) >= 1 for o in outs)):
+                and all(readers.get(o, 0) == len(squeezes[o]) >= 1 for o in outs)):
             split.append(v)
     if not split:
         return jaxpr, 0
