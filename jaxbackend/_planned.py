@@ -129,7 +129,8 @@ def run_planned(plan, leaves) -> list:
     and on the operands and results of the route the cost model took through
     a gather or scatter (`Plan.contraction_specs`; XLA's propagation fills
     in the rest); stacks of sharded per-layer values built on a new axis
-    (`Plan.stack_eqns`). Outputs that are rows of a stack laid out as its
+    (`Plan.stack_eqns`), short stacks of inputs through one loop
+    (`_stacks.held_input_stacks`: no XLA:CPU kernel each). Outputs that are rows of a stack laid out as its
     rows are pinned by one constraint on the stack (`_rows_of_stacks`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
     cons = {e: ([None if s is None else plan.sharding(s) for s in ins],
@@ -143,6 +144,8 @@ def run_planned(plan, leaves) -> list:
         # a stack of sharded parts: on a new axis (`Plan.stack_eqns`)
         if eqn in stacks:
             return [_stacks.stack_new_axis(invals)]
+        if eqn in held:   # a short stack of inputs, made held (no kernel)
+            return held[eqn]
         ins = cons[eqn][0] if eqn in cons else ()
         if any(s is not None for s in ins):     # operands gathered as costed
             # from the operand's own layout, pinned first: left to XLA's
@@ -170,6 +173,7 @@ def run_planned(plan, leaves) -> list:
         return outs
 
     ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
+    held = _stacks.held_input_stacks(closed.jaxpr, ins, skip=stacks)
     outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
                                   enter=entered.__contains__, instead=instead)
     return [y if k in rows else wsc(y, plan.sharding(s))

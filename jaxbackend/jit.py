@@ -67,6 +67,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 
 from jaxbackend import _jax, _planned
+from jaxbackend.passes import _stacks
 from jaxbackend.passes import pipeline as _pipeline
 
 def _split_static(args, static_argnums):
@@ -314,7 +315,11 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
             holder[0].last_report = report
             holder[0].plan = plan
         if plan is None:
-            outs = _jax.eval_jaxpr(closed, *t.leaves)
+            # short stacks of inputs made held: no XLA:CPU kernel each
+            held = _stacks.held_input_stacks(closed.jaxpr, t.leaves)
+            outs = (_jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, t.leaves,
+                                           lambda e, o: o, instead=lambda e, _: held.get(e))
+                    if held else _jax.eval_jaxpr(closed, *t.leaves))
         else:
             outs = _planned.run_planned(plan, t.leaves)
         return jax.tree.unflatten(jax.tree.structure(t.out_shape), outs)

@@ -1,0 +1,121 @@
+"""Short stacks of a rolled program's own inputs are made through a `hold`
+loop when `jb.jit` evaluates the program (`passes._stacks.held_input_stacks`):
+XLA:CPU then copies their parts with no kernel to compile, instead of fusing
+each concatenate into its reshape.
+
+Reference: the unrolled step under `jax.jit`, by `jaxbackend.testing`'s
+error model; `held_input_stacks` itself is checked against the stacks it must
+and must not take.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxbackend as jb
+from jaxbackend import sharding
+from jaxbackend.passes import _stacks
+from jaxbackend.programs.small import rand
+from jaxbackend.testing import assert_close
+
+D = 32
+TX = optax.adamw(1e-2)
+
+
+def _loss(ws, x):
+    for w1, w2, b in ws:
+        x = x + jnp.tanh(x @ w1 + b) @ w2
+    return (x ** 2).sum()
+
+
+def _step(ws, state, x):
+    loss, g = jax.value_and_grad(_loss)(ws, x)
+    updates, state = TX.update(g, state, ws)
+    return optax.apply_updates(ws, updates), state, loss
+
+
+def _args(n):
+    ws = [(rand(10 + i, D, D) * 0.3, rand(20 + i, D, D) * 0.3, rand(30 + i, D) * 0.1)
+          for i in range(n)]
+    return ws, TX.init(ws), rand(7, 3, D)
+
+
+def _fused_concatenates(hlo: str) -> list:
+    """The fused computations of an optimised HLO module holding a concatenate."""
+    return [c.split("\n", 1)[0] for c in re.split(r"\n(?=\S)", hlo)
+            if c.lstrip("%").startswith("fused") and " concatenate(" in c]
+
+
+def _check_step(f, args):
+    got = f(*args)
+    assert_close(got, jax.jit(_step)(*args), what="rolled step with held stacks vs jax.jit")
+    return f.lower(*args).compile().as_text()
+
+
+def test_a_rolled_steps_input_stacks_compile_to_no_concatenate_kernel():
+    # 6 layers: every stack of weights and moments has 6 parts, which
+    # XLA:CPU would fuse into the reshape after it (one kernel per shape)
+    args = _args(6)
+    f = jb.jit(_step)
+    hlo = _check_step(f, args)
+    assert " while(" in hlo                # rolled
+    assert not _fused_concatenates(hlo)
+    assert len(re.findall(r"= \S+ concatenate\(", hlo)) >= 3   # made, as copies
+
+
+def test_under_a_mesh_the_input_stacks_are_held_too():
+    args = _args(6)
+    f = jb.jit(_step, mesh=sharding.auto_mesh((2, 4), ("data", "model")))
+    assert not _fused_concatenates(_check_step(f, args))
+
+
+def _stack_jaxpr(fn, *shapes):
+    return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+
+
+def _held(fn, *shapes, skip=()):
+    """{concatenate equation: held value} of `held_input_stacks` on fn's jaxpr,
+    and the jaxpr."""
+    closed = _stack_jaxpr(fn, *shapes)
+    out = {}
+
+    def run(*xs):
+        out.update(_stacks.held_input_stacks(
+            closed.jaxpr, xs, skip={e for e in closed.jaxpr.eqns if e.primitive.name in skip}))
+        return 0
+    jax.make_jaxpr(run)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    return out, closed
+
+
+def test_which_stacks_are_held():
+    stack = lambda *xs: _stacks.stack(xs)   # noqa: E731
+    held, _ = _held(stack, *[(4, 3)] * 8)
+    assert len(held) == 1                   # 8 parts, all inputs, one reshape reads it
+    assert not _held(stack, *[(4, 3)] * 9)[0]           # 9: XLA does not fuse it
+    assert not _held(stack, *[(3,)] * 1)[0]             # one part: no concatenate
+    assert not _held(lambda a, b: stack(a * 2, b), (3,), (3,))[0]   # a computed part
+    assert not _held(lambda a, b: jnp.concatenate([a, b]), (3,), (3,))[0]  # no stack reshape
+    two_readers = lambda a, b: (lambda c: (c.reshape(2, 3), c.sum()))(   # noqa: E731
+        jax.lax.concatenate([a, b], 0))
+    assert not _held(two_readers, (3,), (3,))[0]
+    assert not _held(lambda *xs: _stacks.stack(xs), (0, 3), (0, 3))[0]    # empty
+    assert not _held(stack, (4, 3), (4, 3), skip=("concatenate",))[0]      # `skip`
+
+
+def test_a_held_stack_is_the_concatenate_bit_for_bit():
+    x = jnp.array([[-0.0, jnp.inf], [jnp.nan, 1e-45]], jnp.float32)
+    parts = [x, -x, x * 0, x + 1]
+    got = jax.jit(lambda *xs: _stacks.stack(xs))(*parts)
+    closed = _stack_jaxpr(lambda *xs: _stacks.stack(xs), *[(2, 2)] * 4)
+
+    def run(*xs):
+        held = _stacks.held_input_stacks(closed.jaxpr, xs)
+        assert len(held) == 1
+        return next(iter(held.values()))[0]
+    flat = jax.jit(run)(*parts)
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    assert (bits(flat.reshape(got.shape)) == bits(got)).all()
