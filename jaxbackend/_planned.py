@@ -129,9 +129,10 @@ def run_planned(plan, leaves) -> list:
     and on the operands and results of the route the cost model took through
     a gather or scatter (`Plan.contraction_specs`; XLA's propagation fills
     in the rest); stacks of sharded per-layer values built on a new axis
-    (`Plan.stack_eqns`), short stacks of inputs through one loop
-    (`_stacks.held_input_stacks`: no XLA:CPU kernel each). Outputs that are rows of a stack laid out as its
-    rows are pinned by one constraint on the stack (`_rows_of_stacks`)."""
+    (`Plan.stack_eqns`); short stacks of inputs through one loop
+    (`_stacks.held_input_stacks`: no XLA:CPU kernel each). Outputs that are
+    rows of a stack laid out as its rows are pinned by one constraint on the
+    stack (`_rows_of_stacks`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
     cons = {e: ([None if s is None else plan.sharding(s) for s in ins],
                 [plan.sharding(s) for s in res])
