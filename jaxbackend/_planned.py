@@ -130,7 +130,7 @@ def run_planned(plan, leaves) -> list:
     a gather or scatter (`Plan.contraction_specs`; XLA's propagation fills
     in the rest); stacks of sharded per-layer values built on a new axis
     (`Plan.stack_eqns`); short stacks of inputs through one loop
-    (`_stacks.held_input_stacks`: no XLA:CPU kernel each). Outputs that are
+    (`_stacks.HeldInputStacks`: no XLA:CPU kernel each). Outputs that are
     rows of a stack laid out as its rows are pinned by one constraint on the
     stack (`_rows_of_stacks`)."""
     closed, wsc = plan.closed, jax.lax.with_sharding_constraint
@@ -145,8 +145,8 @@ def run_planned(plan, leaves) -> list:
         # a stack of sharded parts: on a new axis (`Plan.stack_eqns`)
         if eqn in stacks:
             return [_stacks.stack_new_axis(invals)]
-        if eqn in held:   # a short stack of inputs, made held (no kernel)
-            return held[eqn]
+        if (got := held.get(eqn)) is not None:   # a short stack of inputs, held
+            return got
         ins = cons[eqn][0] if eqn in cons else ()
         if any(s is not None for s in ins):     # operands gathered as costed
             # from the operand's own layout, pinned first: left to XLA's
@@ -174,7 +174,7 @@ def run_planned(plan, leaves) -> list:
         return outs
 
     ins = [wsc(x, plan.sharding(s)) for x, s in zip(leaves, plan.in_specs())]
-    held = _stacks.held_input_stacks(closed.jaxpr, ins, skip=stacks)
+    held = _stacks.HeldInputStacks(closed.jaxpr, ins, skip=stacks)
     outs = _jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, ins, hook,
                                   enter=entered.__contains__, instead=instead)
     return [y if k in rows else wsc(y, plan.sharding(s))

@@ -316,7 +316,7 @@ def jit(fn: Callable, *, passes: Sequence | None = None, static_argnums=None,
             holder[0].plan = plan
         if plan is None:
             # short stacks of inputs made held: no XLA:CPU kernel each
-            held = _stacks.held_input_stacks(closed.jaxpr, t.leaves)
+            held = _stacks.HeldInputStacks(closed.jaxpr, t.leaves)
             outs = (_jax.eval_jaxpr_hooked(closed.jaxpr, closed.consts, t.leaves,
                                            lambda e, o: o, instead=lambda e, _: held.get(e))
                     if held else _jax.eval_jaxpr(closed, *t.leaves))

@@ -5,7 +5,7 @@ A stack is one array whose entry i is block i's value: made by one
 at an index XLA cannot see (`unstack_one`, `opaque_indices`), so every read of
 one shape is the same XLA kernel whatever the layer. A short stack of the
 program's own inputs is made through a `hold` loop when the program is
-evaluated (`held_input_stacks`), so XLA:CPU compiles no kernel for it.
+evaluated (`HeldInputStacks`), so XLA:CPU compiles no kernel for it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxbackend import _jax
 # XLA:CPU fuses a concatenate of at most this many operands into its readers
 # (`kMaxConcatenateArguments` in xla/service/cpu/cpu_instruction_fusion.cc,
 # JAX 0.10 / jaxlib 0.10): a stack that short is `hold`-ed by `reroll`, and
-# made through a `hold` by `held_input_stacks` where its parts are inputs.
+# made through a `hold` by `HeldInputStacks` where its parts are inputs.
 CONCAT_FUSES_UP_TO = 8
 
 
@@ -87,11 +87,11 @@ def opaque_indices(n: int, like):
     return idx
 
 
-def held_input_stacks(jaxpr, args, skip=frozenset()) -> dict:
-    """{equation: [value]} for the top-level stacks of `jaxpr`'s own inputs,
-    made from `args` (the inputs' values, in the trace that evaluates
-    `jaxpr`) through one `hold` loop; an evaluator binds each such
-    `concatenate` equation to its value instead (`jit`, `run_planned`).
+class HeldInputStacks:
+    """The top-level stacks of a jaxpr's own inputs, each made through a
+    `hold` loop when an evaluator reaches it: `get(eqn)` gives the value
+    of such a `concatenate` equation ([value]; None for any other), to bind
+    in its place (`jit`, `run_planned`).
 
     A stack is a `concatenate` along axis 0 of 2 to `CONCAT_FUSES_UP_TO`
     parts of one type (rank >= 1, not empty), every part an input, read by
@@ -102,33 +102,67 @@ def held_input_stacks(jaxpr, args, skip=frozenset()) -> dict:
     kernel at all (measured, 24 stacks of 8 parts of distinct shapes: 3.1 s
     to compile as `stack`, 1.1 s held; an 8-layer per-layer GPT AdamW step
     stacks 48 weights and moments, of 8 shapes). The values are the
-    concatenates', bit for bit (`hold` runs zero times). Equations in
-    `skip` (stacks built on a new axis under a mesh, `Plan.stack_eqns`)
-    are left to the evaluator. Linear in the equations."""
-    readers: dict = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
+    concatenates', bit for bit (`hold` runs zero times).
+
+    One loop per group of stacks the jaxpr makes one after another (their
+    reshapes aside), made where the group's first stack was: XLA:CPU
+    compiles each loop's counter as kernels of its own, and a stack made
+    any earlier than the jaxpr makes it would hold its buffer longer (all
+    of them at the first: the optimizer moments' stacks through the forward
+    and backward pass, 9 MiB more per device on an 8-layer GPT step).
+    Equations in `skip` (stacks built on a new axis under a mesh,
+    `Plan.stack_eqns`) are left to the evaluator. Linear in the equations."""
+
+    def __init__(self, jaxpr, args, skip=frozenset()):
+        readers: dict = {}
+        for e in jaxpr.eqns:
+            for v in e.invars:
+                if _jax.is_var(v):
+                    readers.setdefault(v, []).append(e)
+        for v in jaxpr.outvars:
             if _jax.is_var(v):
-                readers.setdefault(v, []).append(e)
-    for v in jaxpr.outvars:
-        if _jax.is_var(v):
-            readers.setdefault(v, []).append(None)
-    value = dict(zip(jaxpr.invars, args))
-    found = []
-    for e in jaxpr.eqns:
-        if e.primitive.name != "concatenate" or e in skip or not _of_inputs(e, value):
-            continue
-        r = readers.get(e.outvars[0], [])
-        if (len(r) == 1 and r[0] is not None and r[0].primitive.name == "reshape"
-                and r[0].outvars[0].aval.shape == (len(e.invars),) + e.invars[0].aval.shape):
-            found.append(e)
-    if not found:
-        return {}
-    flats = tuple(lax.concatenate([value[v] for v in e.invars], 0) for e in found)
-    sizes = [x for x in args if getattr(x, "size", 0)
-             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)]
-    zero = opaque_indices(1, min(sizes, key=lambda x: x.size))[0]
-    return {e: [h] for e, h in zip(found, hold(flats, zero))}
+                readers.setdefault(v, []).append(None)
+        self.value = dict(zip(jaxpr.invars, args))
+        reshapes = {}
+        for e in jaxpr.eqns:
+            if e.primitive.name != "concatenate" or e in skip or not _of_inputs(e, self.value):
+                continue
+            r = readers.get(e.outvars[0], [])
+            if (len(r) == 1 and r[0] is not None and r[0].primitive.name == "reshape"
+                    and r[0].outvars[0].aval.shape == (len(e.invars),) + e.invars[0].aval.shape):
+                reshapes[r[0]] = e
+        stacks = set(reshapes.values())
+        self.groups: list = []    # lists of consecutive stack equations
+        self.group_of: dict = {}
+        after_stack = False
+        for e in jaxpr.eqns:
+            if e in stacks:
+                if not after_stack:
+                    self.groups.append([])
+                self.groups[-1].append(e)
+                self.group_of[e] = len(self.groups) - 1
+                after_stack = True
+            elif e not in reshapes:
+                after_stack = False
+        self.made: dict = {}
+        self.zero = None
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def get(self, eqn):
+        g = self.group_of.get(eqn)
+        if g is None:
+            return None
+        if eqn not in self.made:
+            group = self.groups[g]
+            if self.zero is None:
+                sizes = [x for x in self.value.values() if getattr(x, "size", 0)
+                         and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)]
+                self.zero = opaque_indices(1, min(sizes, key=lambda x: x.size))[0]
+            flats = tuple(lax.concatenate([self.value[v] for v in e.invars], 0) for e in group)
+            self.made.update((e, [h]) for e, h in zip(group, hold(flats, self.zero)))
+        return self.made[eqn]
 
 
 def _of_inputs(e, value) -> bool:

@@ -1,10 +1,10 @@
 """Short stacks of a rolled program's own inputs are made through a `hold`
-loop when `jb.jit` evaluates the program (`passes._stacks.held_input_stacks`):
+loop when `jb.jit` evaluates the program (`passes._stacks.HeldInputStacks`):
 XLA:CPU then copies their parts with no kernel to compile, instead of fusing
 each concatenate into its reshape.
 
 Reference: the unrolled step under `jax.jit`, by `jaxbackend.testing`'s
-error model; `held_input_stacks` itself is checked against the stacks it must
+error model; `HeldInputStacks` itself is checked against the stacks it must
 and must not take.
 """
 
@@ -78,32 +78,46 @@ def _stack_jaxpr(fn, *shapes):
 
 
 def _held(fn, *shapes, skip=()):
-    """{concatenate equation: held value} of `held_input_stacks` on fn's jaxpr,
-    and the jaxpr."""
+    """The groups of stack equations `HeldInputStacks` finds in fn's jaxpr,
+    each a list of equation indices, and whether `get` gave each a value."""
     closed = _stack_jaxpr(fn, *shapes)
-    out = {}
+    eqns = closed.jaxpr.eqns
+    out = []
 
     def run(*xs):
-        out.update(_stacks.held_input_stacks(
-            closed.jaxpr, xs, skip={e for e in closed.jaxpr.eqns if e.primitive.name in skip}))
+        held = _stacks.HeldInputStacks(
+            closed.jaxpr, xs, skip={e for e in eqns if e.primitive.name in skip})
+        out.extend([eqns.index(e) for e in g] for g in held.groups)
+        assert all(held.get(e) is not None for g in held.groups for e in g)
+        assert all(held.get(e) is None for e in eqns if e not in held.group_of)
         return 0
     jax.make_jaxpr(run)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
-    return out, closed
+    return out
 
 
 def test_which_stacks_are_held():
     stack = lambda *xs: _stacks.stack(xs)   # noqa: E731
-    held, _ = _held(stack, *[(4, 3)] * 8)
-    assert len(held) == 1                   # 8 parts, all inputs, one reshape reads it
-    assert not _held(stack, *[(4, 3)] * 9)[0]           # 9: XLA does not fuse it
-    assert not _held(stack, *[(3,)] * 1)[0]             # one part: no concatenate
-    assert not _held(lambda a, b: stack(a * 2, b), (3,), (3,))[0]   # a computed part
-    assert not _held(lambda a, b: jnp.concatenate([a, b]), (3,), (3,))[0]  # no stack reshape
+    assert _held(stack, *[(4, 3)] * 8) == [[0]]   # 8 parts, all inputs, one reshape reads it
+    assert not _held(stack, *[(4, 3)] * 9)        # 9: XLA does not fuse it
+    assert not _held(lambda a, b: stack(a * 2, b), (3,), (3,))   # a computed part
+    assert not _held(lambda a, b: jnp.concatenate([a, b]), (3,), (3,))   # no stack reshape
     two_readers = lambda a, b: (lambda c: (c.reshape(2, 3), c.sum()))(   # noqa: E731
         jax.lax.concatenate([a, b], 0))
-    assert not _held(two_readers, (3,), (3,))[0]
-    assert not _held(lambda *xs: _stacks.stack(xs), (0, 3), (0, 3))[0]    # empty
-    assert not _held(stack, (4, 3), (4, 3), skip=("concatenate",))[0]      # `skip`
+    assert not _held(two_readers, (3,), (3,))
+    assert not _held(stack, (0, 3), (0, 3))                      # empty
+    assert not _held(stack, (4, 3), (4, 3), skip=("concatenate",))   # `skip`
+
+
+def test_stacks_made_one_after_another_share_a_loop_and_no_stack_is_made_early():
+    # two stacks, then other work, then a third: two loops, the third made
+    # where the program made it (earlier, its buffer would live longer)
+    def fn(a, b, c, d, e, f):
+        s1, s2 = _stacks.stack((a, b)), _stacks.stack((c, d))
+        y = jnp.tanh(s1 * s2).sum()
+        return y * _stacks.stack((e, f))
+    groups = _held(fn, *[(4,)] * 6)
+    assert [len(g) for g in groups] == [2, 1]
+    assert groups[1][0] > groups[0][-1] + 3   # after the tanh and the sum
 
 
 def test_a_held_stack_is_the_concatenate_bit_for_bit():
@@ -113,9 +127,9 @@ def test_a_held_stack_is_the_concatenate_bit_for_bit():
     closed = _stack_jaxpr(lambda *xs: _stacks.stack(xs), *[(2, 2)] * 4)
 
     def run(*xs):
-        held = _stacks.held_input_stacks(closed.jaxpr, xs)
-        assert len(held) == 1
-        return next(iter(held.values()))[0]
+        held = _stacks.HeldInputStacks(closed.jaxpr, xs)
+        (e,), = held.groups
+        return held.get(e)[0]
     flat = jax.jit(run)(*parts)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
     assert (bits(flat.reshape(got.shape)) == bits(got)).all()
