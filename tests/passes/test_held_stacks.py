@@ -79,7 +79,8 @@ def _stack_jaxpr(fn, *shapes):
 
 def _held(fn, *shapes, skip=()):
     """The groups of stack equations `HeldInputStacks` finds in fn's jaxpr,
-    each a list of equation indices, and whether `get` gave each a value."""
+    each a list of equation indices; `get` must give each a value, and
+    every other equation None."""
     closed = _stack_jaxpr(fn, *shapes)
     eqns = closed.jaxpr.eqns
     out = []
