@@ -134,3 +134,19 @@ def test_a_held_stack_is_the_concatenate_bit_for_bit():
     flat = jax.jit(run)(*parts)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
     assert (bits(flat.reshape(got.shape)) == bits(got)).all()
+
+
+def test_hold_one_returns_its_inputs_bit_for_bit_whether_its_loop_runs_or_not():
+    x = jnp.array([[-0.0, jnp.inf], [jnp.nan, 1e-45]], jnp.float32)
+    others = (jnp.array([-1, 0, 7]), jnp.ones(3, jnp.bfloat16), jnp.array([True, False]),
+              jnp.array([1 + 2j, 3j], jnp.complex64))
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    for trips in (0, 1):   # 0 in `jb.jit`; had the body run once, xs still
+        got = jax.jit(_stacks.hold_one)((x,) + others, jnp.int32(trips))
+        assert got[0].dtype == x.dtype and (bits(got[0]) == bits(x)).all(), trips
+        for g, o in zip(got[1:], others):
+            assert g.dtype == o.dtype and g.shape == o.shape and (g == o).all(), (trips, o)
+    # differentiated, it is the identity (a `while` has no reverse mode)
+    g = jax.grad(lambda y: (_stacks.hold_one((y,), jnp.int32(0))[0] ** 2).sum())(
+        jnp.full((2, 2), 3.0))
+    assert (g == 6).all()
