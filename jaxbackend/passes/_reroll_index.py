@@ -41,7 +41,6 @@ allow. Only real float sums are joined (integer and complex ones stay).
 
 from __future__ import annotations
 
-import collections
 
 import jax
 import jax.numpy as jnp
@@ -50,15 +49,6 @@ from jax import lax
 
 from jaxbackend import _jax, _stacked
 from jaxbackend.passes import _rewrite, _stacks
-
-
-def _uses(jaxpr) -> collections.Counter:
-    """Reads of each variable within `jaxpr` (operands and outputs; a
-    sub-jaxpr reads an outer value only as an operand of its equation, so
-    this does not walk sub-jaxprs as `_rewrite.use_counts` does)."""
-    uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _jax.is_var(v))
-    uses.update(v for v in jaxpr.outvars if _jax.is_var(v))
-    return uses
 
 
 def _row(e) -> int | None:
@@ -113,7 +103,7 @@ def joined_pads(jaxpr):
     eqns = jaxpr.eqns
     if not any(e.primitive.name == "pad" for e in eqns):
         return None, 0
-    uses = _uses(jaxpr)
+    uses = _rewrite.own_uses(jaxpr)
     parts: dict = {}     # pad or partial sum var -> ([(row, operand)], [eqn index])
     for k, e in enumerate(eqns):
         pr = _pad_row(e)
@@ -219,7 +209,7 @@ def split_rows(jaxpr):
         elif (e.primitive.name == "squeeze" and _jax.is_var(e.invars[0])
               and e.invars[0] in squeezes and _jax.squeeze_dimensions(e) == (0,)):
             squeezes[e.invars[0]].append(k)
-    readers = _uses(jaxpr)
+    readers = _rewrite.own_uses(jaxpr)
     eqns = jaxpr.eqns
     split = []
     for v, by_row in rows.items():

@@ -144,6 +144,15 @@ def use_counts(closed_or_jaxpr) -> dict:
     return dict(counts)
 
 
+def own_uses(jaxpr) -> collections.Counter:
+    """{var: reads within `jaxpr` itself} (operands and outputs; a sub-jaxpr
+    reads an outer value only as an operand of its equation, so this does
+    not walk sub-jaxprs as `use_counts` does)."""
+    uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _jax.is_var(v))
+    uses.update(v for v in jaxpr.outvars if _jax.is_var(v))
+    return uses
+
+
 class Producers:
     """`producers(atom)`: the equation of `eqns` defining `atom`, or None for
     inputs, consts and literals. `eqns` may grow after construction (a

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxbackend import _jax
+from jaxbackend.passes import _rewrite
 
 
 # XLA:CPU fuses a concatenate of at most this many operands into its readers
@@ -114,23 +115,18 @@ class HeldInputStacks:
     `Plan.stack_eqns`) are left to the evaluator. Linear in the equations."""
 
     def __init__(self, jaxpr, args, skip=frozenset()):
-        readers: dict = {}
-        for e in jaxpr.eqns:
-            for v in e.invars:
-                if _jax.is_var(v):
-                    readers.setdefault(v, []).append(e)
-        for v in jaxpr.outvars:
-            if _jax.is_var(v):
-                readers.setdefault(v, []).append(None)
+        uses = _rewrite.own_uses(jaxpr)
         self.value = dict(zip(jaxpr.invars, args))
-        reshapes = {}
+        joined = {e.outvars[0]: e for e in jaxpr.eqns   # read once: by its reshape, if a stack
+                  if e.primitive.name == "concatenate" and e not in skip
+                  and _of_inputs(e, self.value) and uses[e.outvars[0]] == 1}
+        reshapes = {}   # the reshape into layers -> its stack
         for e in jaxpr.eqns:
-            if e.primitive.name != "concatenate" or e in skip or not _of_inputs(e, self.value):
-                continue
-            r = readers.get(e.outvars[0], [])
-            if (len(r) == 1 and r[0] is not None and r[0].primitive.name == "reshape"
-                    and r[0].outvars[0].aval.shape == (len(e.invars),) + e.invars[0].aval.shape):
-                reshapes[r[0]] = e
+            c = (joined.get(e.invars[0])
+                 if e.primitive.name == "reshape" and _jax.is_var(e.invars[0]) else None)
+            if c is not None and \
+                    e.outvars[0].aval.shape == (len(c.invars),) + c.invars[0].aval.shape:
+                reshapes[e] = c
         stacks = set(reshapes.values())
         self.groups: list = []    # lists of consecutive stack equations
         self.group_of: dict = {}
@@ -194,22 +190,37 @@ def hold(xs: tuple, zero) -> tuple:
     all the stacks held at one point, because XLA:CPU compiles each loop's
     compare and counter add as kernels of their own: a loop per stack (96 in
     an 8-layer per-layer AdamW step) was ~290 kernels. Differentiated, it is
-    the identity (`_hold_jvp`): reverse mode cannot go through a `while`
+    the identity (`_identity_jvp`): reverse mode cannot go through a `while`
     loop, and a rolled program is differentiated again when `jax.grad` is
     applied outside `jb.jit`.
     """
+    return _zero_trips(xs, zero, _kept)
+
+
+def _zero_trips(xs, zero, keep):
+    """xs through a loop that runs `zero` times, whose body maps each x to
+    `keep(x, first)` (first: the counter is 0; keep(x, True) is x)."""
     def body(c):
         first = c[0] == 0
-        return (c[0] + 1,) + tuple(lax.select(jnp.broadcast_to(first, x.shape), x,
-                                              jnp.zeros_like(x)) for x in c[1:])
+        return (c[0] + 1,) + tuple(keep(x, first) for x in c[1:])
 
     return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0),) + tuple(xs))[1:]
 
 
-@hold.defjvp
-def _hold_jvp(primals, tangents):
-    xs, zero = primals
-    return hold(xs, zero), tangents[0]
+def _kept(x, first):
+    return lax.select(jnp.broadcast_to(first, x.shape), x, jnp.zeros_like(x))
+
+
+def _identity_jvp(f):
+    """The JVP rule of a hold `f`: reverse mode cannot go through its loop,
+    and it is the identity."""
+    def jvp(primals, tangents):
+        xs, zero = primals
+        return f(xs, zero), tangents[0]
+    return jvp
+
+
+hold.defjvp(_identity_jvp(hold))
 
 
 @jax.custom_jvp
@@ -222,22 +233,15 @@ def hold_one(xs: tuple, zero) -> tuple:
     `hold`'s whole-array select, a held stack of weights was counted as
     read and written twice more than it is (a 6-layer MLP's rolled forward,
     +15% bytes over jax.jit by `compiled.cost_analysis()`)."""
-    def body(c):
-        first, out = c[0] == 0, []
-        for x in c[1:]:
-            at = (jnp.int32(0),) * x.ndim
-            e = lax.dynamic_slice(x, at, (1,) * x.ndim)
-            out.append(lax.dynamic_update_slice(
-                x, lax.select(jnp.broadcast_to(first, e.shape), e, jnp.zeros_like(e)), at))
-        return (c[0] + 1,) + tuple(out)
-
-    return lax.while_loop(lambda c: c[0] < zero, body, (jnp.int32(0),) + tuple(xs))[1:]
+    return _zero_trips(xs, zero, _first_kept)
 
 
-@hold_one.defjvp
-def _hold_one_jvp(primals, tangents):
-    xs, zero = primals
-    return hold_one(xs, zero), tangents[0]
+def _first_kept(x, first):
+    at = (jnp.int32(0),) * x.ndim
+    return lax.dynamic_update_slice(x, _kept(lax.dynamic_slice(x, at, (1,) * x.ndim), first), at)
+
+
+hold_one.defjvp(_identity_jvp(hold_one))
 
 
 def corner(x, at: int):
